@@ -1,0 +1,41 @@
+"""The one seam between the training loop and how a step is executed.
+
+The loop (``bubblefree.train.loop``) is the same for every runtime; it picks an :class:`Executor` once:
+the single-process simulation (``bubblefree.train.sim``) or the torch.distributed pipeline
+(``bubblefree.distributed``). Both run the same schedule delays, optimizer and corrections.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Protocol
+
+__all__ = ["Executor", "StepStats"]
+
+
+class StepStats(NamedTuple):
+    loss: float
+    """Mean training cross-entropy of the step's microbatches."""
+    grad_norm: float
+    """Gradient norm before clipping (over all stages)."""
+    aux_loss: float = 0.0
+    """MoE load-balancing loss of the step (0 for dense models)."""
+
+
+class Executor(Protocol):
+    def train_step(self, step: int, lr_scale: float) -> StepStats | None:
+        """Run optimizer step ``step`` (0-based) at ``lr_scale`` times the peak learning rate.
+
+        Returns the step's statistics on the process that logs (None on the others)."""
+        ...
+
+    def evaluate(self) -> float | None:
+        """Validation loss at the current weights (None on processes that do not log)."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue exactly: weights, optimizer, delay and correction state."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
