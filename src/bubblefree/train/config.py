@@ -7,9 +7,23 @@ recipe (arXiv 2606.30634): cosine decay to 10 % of peak after 10 % warmup, clipp
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import json
+import math
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+from bubblefree.errors import UserError
 
 __all__ = [
+    "CHOICES",
     "Config",
     "DataConfig",
     "DelayConfig",
@@ -18,6 +32,16 @@ __all__ = [
     "OptimConfig",
     "PipelineConfig",
     "TrainConfig",
+    "apply_overrides",
+    "config_diff",
+    "config_from_dict",
+    "config_to_dict",
+    "dump_toml",
+    "field_docs",
+    "load_config",
+    "parse_override",
+    "read_toml",
+    "validate",
 ]
 
 
@@ -101,6 +125,9 @@ class TrainConfig:
     ckpt_every: int = 0
     """Checkpoint every N steps (0: only at the end)."""
 
+    ckpt_keep: int = 2
+    """Keep the newest N checkpoints of the run; older ones are deleted after a new one is safely written."""
+
     device: str = "auto"
     """``auto`` (cuda if available), ``cpu`` or ``cuda``."""
 
@@ -160,3 +187,229 @@ class Config:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     delay: DelayConfig = field(default_factory=DelayConfig)
     log: LogConfig = field(default_factory=LogConfig)
+
+
+# Allowed values of the string keys with a fixed vocabulary (DESIGN.md section 6). Model presets are checked
+# against ``bubblefree.models.PRESETS`` instead, so a new model needs no edit here.
+CHOICES: dict[str, tuple[str, ...]] = {
+    "data.tokenizer": ("bpe", "byte"),
+    "optim.name": ("adamw", "muon", "soap", "adan", "lion", "mars"),
+    "train.device": ("auto", "cpu", "cuda"),
+    "train.dtype": ("auto", "float32", "bfloat16"),
+    "pipeline.schedule": ("sync", "gpipe", "1f1b", "2bw", "pipedream", "wpipe"),
+    "pipeline.runtime": ("sim", "distributed"),
+    "delay.correction": ("none", "ef", "taylor", "nesterov"),
+}
+
+# Keys that must be > 0 and keys that must be >= 0 (numbers); fractions must lie in [0, 1].
+_POSITIVE = ("data.vocab_size", "train.steps", "train.batch_size", "train.seq_len", "train.eval_batches",
+             "train.log_every", "train.ckpt_keep", "pipeline.stages", "pipeline.microbatches")
+_NONNEGATIVE = ("model.vocab_size", "optim.lr", "optim.weight_decay", "optim.adamw_lr", "train.seed",
+                "train.grad_clip", "train.eval_every", "train.ckpt_every", "delay.ef_beta",
+                "delay.taylor_lambda", "delay.sync_start_steps", "delay.sync_cooldown_steps")
+_FRACTIONS = ("train.warmup_frac", "train.min_lr_frac")
+_SCALARS = {"int": int, "float": float, "bool": bool, "str": str}
+
+
+def _sections(config: Config | None = None) -> dict[str, Any]:
+    config = config or Config()
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+
+
+def _field_type(section: Any, key: str) -> type:
+    (f,) = [f for f in dataclasses.fields(section) if f.name == key]
+    return _SCALARS[f.type if isinstance(f.type, str) else f.type.__name__]
+
+
+def _resolve(config: Config, dotted: str) -> tuple[Any, str, type]:
+    """Return (section object, key, expected type) for ``section.key``, or a UserError naming valid keys."""
+    name, sep, key = dotted.partition(".")
+    sections = _sections(config)
+    if not sep or name not in sections:
+        close = difflib.get_close_matches(name, sections, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise UserError(f"Invalid config key: {dotted!r}{hint}; keys are section.key with sections "
+                        f"{', '.join(sections)}")
+    section = sections[name]
+    keys = [f.name for f in dataclasses.fields(section)]
+    if key not in keys:
+        close = difflib.get_close_matches(key, keys, n=1)
+        hint = f" (did you mean {name}.{close[0]}?)" if close else ""
+        raise UserError(f"Invalid config key: {dotted!r}{hint}; valid keys of [{name}]: {', '.join(keys)}")
+    return section, key, _field_type(section, key)
+
+
+def _typed(dotted: str, value: Any, expected: type) -> Any:
+    """Check a value read from TOML (already typed); an int is accepted for a float field."""
+    ok = (isinstance(value, bool) if expected is bool
+          else isinstance(value, (int, float)) and not isinstance(value, bool) if expected is float
+          else isinstance(value, expected) and not isinstance(value, bool))
+    if not ok:
+        raise UserError(f"Invalid value for {dotted}: {value!r} (expected {expected.__name__})")
+    return float(value) if expected is float else value
+
+
+def parse_override(config: Config, text: str) -> tuple[str, Any]:
+    """Parse one ``section.key=value`` into ``(dotted key, typed value)`` against ``config``'s field types.
+
+    ``int`` accepts only integers, ``float`` any decimal or exponent number (so ``3`` and ``3e-4``), ``bool``
+    ``true/false/1/0/yes/no``, ``str`` the text as is. Anything else is a UserError naming key, value and type.
+    """
+    dotted, sep, raw = text.partition("=")
+    dotted, raw = dotted.strip(), raw.strip()
+    if not sep or not dotted:
+        raise UserError(f"Invalid override: {text!r} (expected section.key=value)")
+    _, _, expected = _resolve(config, dotted)
+    try:
+        if expected is bool:
+            value: Any = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}[raw.lower()]
+        else:
+            value = expected(raw)
+    except (KeyError, ValueError):
+        raise UserError(f"Invalid value for {dotted}: {raw!r} (expected {expected.__name__})") from None
+    return dotted, value
+
+
+def apply_overrides(config: Config, values: dict[str, Any]) -> Config:
+    """Return a copy of ``config`` with ``{"section.key": value}`` set (values type-checked as from TOML)."""
+    sections = {name: dataclasses.replace(section) for name, section in _sections(config).items()}
+    for dotted, value in values.items():
+        _, key, expected = _resolve(config, dotted)
+        setattr(sections[dotted.partition(".")[0]], key, _typed(dotted, value, expected))
+    return Config(**sections)
+
+
+def config_to_dict(config: Config) -> dict[str, dict[str, Any]]:
+    """``{section: {key: value}}``: the form of config.toml and of checkpoints."""
+    return dataclasses.asdict(config)
+
+
+def config_from_dict(data: dict[str, Any], *, base: Config | None = None, origin: str = "config") -> Config:
+    """Build a Config from ``{section: {key: value}}`` on top of ``base`` (defaults), type-checking every value."""
+    flat: dict[str, Any] = {}
+    for name, table in data.items():
+        if not isinstance(table, dict):
+            raise UserError(f"Invalid {origin}: top-level key {name!r} must be a [section] table "
+                            f"(sections: {', '.join(_sections())})")
+        flat.update({f"{name}.{key}": value for key, value in table.items()})
+    return apply_overrides(base or Config(), flat)
+
+
+def config_diff(a: Config, b: Config) -> dict[str, tuple[Any, Any]]:
+    """``{"section.key": (value in a, value in b)}`` for every key that differs."""
+    da, db = config_to_dict(a), config_to_dict(b)
+    return {f"{s}.{k}": (da[s][k], db[s][k]) for s in da for k in da[s] if da[s][k] != db[s][k]}
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        # repr round-trips exactly; TOML spells infinities and NaN without a leading sign for +.
+        return repr(value) if math.isfinite(value) else ("nan" if math.isnan(value) else
+                                                        ("inf" if value > 0 else "-inf"))
+    assert isinstance(value, str), value
+    return json.dumps(value)  # a JSON string is a valid TOML basic string (\\uXXXX escapes included)
+
+
+def dump_toml(config: Config) -> str:
+    """The fully resolved config as TOML: one ``[section]`` table per section, one line per key."""
+    lines = []
+    for name, table in config_to_dict(config).items():
+        lines.append(f"[{name}]")
+        lines.extend(f"{key} = {_toml_value(value)}" for key, value in table.items())
+        lines.append("")
+    return "\n".join(lines)
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """Parse a TOML file, turning a missing or malformed file into a one-line UserError."""
+    path = Path(path)
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise UserError(f"Invalid config file: {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"Invalid config file: {path}: {e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise UserError(f"Invalid config file: {path} is not valid TOML ({e})") from None
+
+
+def validate(config: Config) -> Config:
+    """Check sizes, ranges and choices; raise a UserError naming the first bad key. Returns ``config``."""
+    flat = {f"{s}.{k}": v for s, table in config_to_dict(config).items() for k, v in table.items()}
+    for key, value in flat.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UserError(f"Invalid {key}: {value} (must be finite)")
+    for key, allowed in CHOICES.items():
+        if flat[key] not in allowed:
+            raise UserError(f"Invalid {key}: {flat[key]!r} (choose from {', '.join(allowed)})")
+    for key in _POSITIVE:
+        if not flat[key] > 0:
+            raise UserError(f"Invalid {key}: {flat[key]} (must be > 0)")
+    for key in _NONNEGATIVE:
+        if not flat[key] >= 0:  # also rejects NaN
+            raise UserError(f"Invalid {key}: {flat[key]} (must be >= 0)")
+    for key in _FRACTIONS:
+        if not 0.0 <= flat[key] <= 1.0:
+            raise UserError(f"Invalid {key}: {flat[key]} (must be in [0, 1])")
+    if not flat["optim.momentum"] < 1.0:
+        raise UserError(f"Invalid optim.momentum: {flat['optim.momentum']} (must be < 1; negative = default)")
+    if config.train.batch_size % config.pipeline.microbatches:
+        raise UserError(f"Invalid train.batch_size: {config.train.batch_size} (must be divisible by "
+                        f"pipeline.microbatches = {config.pipeline.microbatches})")
+    try:
+        from bubblefree.models import PRESETS
+    except ImportError:  # the model registry has not landed; build_model will complain instead
+        PRESETS = None
+    if PRESETS is not None and config.model.preset not in PRESETS:
+        close = difflib.get_close_matches(config.model.preset, list(PRESETS), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise UserError(f"Invalid model.preset: {config.model.preset!r}{hint}; presets: {', '.join(PRESETS)}")
+    return config
+
+
+def load_config(preset: str | None = None, toml_path: str | Path | None = None,
+                overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Resolve a run's configuration with precedence preset < TOML file < ``--set`` overrides, then validate.
+
+    ``preset=None`` is the default run (``demo``, the paper's recipe). ``overrides`` are ``section.key=value``.
+    """
+    from bubblefree.train.presets import get_preset
+
+    config = get_preset(preset or "demo")
+    if toml_path is not None:
+        config = config_from_dict(read_toml(toml_path), base=config, origin=f"config file {toml_path}")
+    parsed: dict[str, Any] = {}
+    for text in overrides:
+        key, value = parse_override(config, text)
+        parsed[key] = value
+    return validate(apply_overrides(config, parsed))
+
+
+def field_docs() -> dict[str, list[tuple[str, str, Any, str]]]:
+    """``{section: [(key, type, default, docstring)]}`` read from the attribute docstrings of this module.
+
+    Used to generate the config reference in docs/training.md, so the reference cannot drift from the code.
+    """
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(inspect.getmodule(Config)))
+    docs: dict[str, dict[str, str]] = {}
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            body = node.body
+            for stmt, nxt in zip(body, body[1:]):
+                if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+                        and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)):
+                    docs.setdefault(node.name, {})[stmt.target.id] = " ".join(str(nxt.value.value).split())
+    out: dict[str, list[tuple[str, str, Any, str]]] = {}
+    for name, section in _sections().items():
+        cls = type(section).__name__
+        out[name] = [(f.name, _field_type(section, f.name).__name__, getattr(section, f.name),
+                      docs.get(cls, {}).get(f.name, "")) for f in dataclasses.fields(section)]
+    return out
