@@ -1,0 +1,109 @@
+"""Run metrics: ``metrics.jsonl`` (one JSON object per logged step), optional TensorBoard, a progress bar and
+the loss plot.
+
+Every line of ``metrics.jsonl`` holds ``step`` (optimizer steps done), ``tokens`` (training tokens seen),
+``loss`` (that step's training cross-entropy), ``lr``, ``tokens_per_s`` (over the logging window, evaluation
+time excluded), ``grad_norm`` (before clipping), and ``val_loss`` on evaluation steps (DESIGN.md section 6).
+The file is line-buffered and flushed per line, so a killed run keeps everything logged so far.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from bubblefree.errors import UserError
+
+__all__ = ["METRICS_FILE", "MetricsWriter", "plot_losses", "progress_bar", "read_metrics"]
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """All records of a metrics.jsonl file (a torn last line from a killed run is skipped)."""
+    records = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+class MetricsWriter:
+    """Append records to ``out_dir/metrics.jsonl`` (and TensorBoard when asked).
+
+    ``resume_step``: when continuing from a checkpoint taken after ``resume_step`` steps, records past that
+    step are dropped first (they belong to the part of the run that is about to be recomputed identically),
+    so the file never holds a step twice.
+    """
+
+    def __init__(self, out_dir: str | Path, *, tensorboard: bool = False, resume_step: int | None = None):
+        self.path = Path(out_dir) / METRICS_FILE
+        if resume_step is not None and self.path.exists():
+            keep = [r for r in read_metrics(self.path) if r["step"] <= resume_step]
+            tmp = self.path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
+            os.replace(tmp, self.path)
+        self._file = self.path.open("a", buffering=1)
+        self._tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise UserError("Invalid log.tensorboard: true needs the tensorboard package "
+                                "(pip install 'bubblefree[tensorboard]')") from None
+            self._tb = SummaryWriter(str(Path(out_dir) / "tensorboard"), purge_step=resume_step)
+
+    def log(self, record: dict[str, Any]) -> None:
+        """Write one record (JSON line, flushed; numeric fields also to TensorBoard under ``train/``)."""
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self._tb.add_scalar(f"train/{key}", value, record["step"])
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def progress_bar(*, total: int, initial: int, enabled: bool):
+    """A tqdm bar over optimizer steps; disabled when ``enabled`` is false or stderr is not a terminal."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True,
+                disable=not enabled or not sys.stderr.isatty())
+
+
+def plot_losses(metrics_path: str | Path, png_path: str | Path, *, title: str = "") -> None:
+    """Plot training and validation loss against training tokens into a PNG (matplotlib, no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(metrics_path)
+    train = [(r["tokens"], r["loss"]) for r in records if math.isfinite(r.get("loss", math.nan))]
+    val = [(r["tokens"], r["val_loss"]) for r in records if "val_loss" in r]
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
+    if train:
+        ax.plot(*zip(*train), label="train", lw=1, alpha=0.8)
+    if val:
+        ax.plot(*zip(*val), "o-", label="validation", lw=1.5)
+    ax.set_xlabel("training tokens")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = Path(png_path).with_suffix(".tmp.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    os.replace(tmp, png_path)
