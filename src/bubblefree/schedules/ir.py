@@ -1,0 +1,136 @@
+"""A pipeline schedule as data: per-rank lists of actions, and generators for the schedules we compare.
+
+An :class:`Action` is ``(stage, kind, microbatch)`` with the text form ``"2F0"`` of
+torch.distributed.pipelining's ``_Action``: kind ``F`` (forward), ``B`` (backward; the whole backward, or only
+the input-gradient part when the schedule splits it) or ``W`` (the weight-gradient part, zero-bubble only).
+Microbatch indices are global over the run: microbatch ``j`` belongs to optimizer step ``j // M``.
+
+Flushing schedules (GPipe, 1F1B, interleaved 1F1B, zero bubble) repeat one step's order ``steps`` times;
+the asynchronous ones (PipeDream-2BW, PipeDream) run one 1F1B order over the whole run, filling once at the
+start and draining once at the end. Which weights each microbatch sees, and hence each stage's delay, is
+*derived* from these orders by :mod:`bubblefree.schedules.timeline`, and a test checks the result against the
+delay table the training uses (:func:`bubblefree.schedules.delays.stage_delays`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Action", "Schedule", "build_schedule", "SIMULATED_SCHEDULES"]
+
+
+@dataclass(frozen=True, order=True)
+class Action:
+    stage: int
+    kind: str
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind}{self.microbatch}"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    name: str
+    n_stages: int
+    """Pipeline stages (virtual stages for interleaved schedules: ``n_ranks * chunks``)."""
+    n_ranks: int
+    n_microbatches: int
+    """Microbatches per optimizer step."""
+    n_steps: int
+    orders: tuple[tuple[Action, ...], ...]
+    """``orders[r]`` is the sequence of actions rank ``r`` executes."""
+    version_policy: str
+    """``flush`` (a step starts after the previous update everywhere), ``2bw`` (every microbatch of step t uses
+    the newest version present when the step's first microbatch entered the stage) or ``pipedream`` (each
+    microbatch uses the newest version present at its own forward)."""
+    split_backward: bool = False
+
+    def rank_of(self, stage: int) -> int:
+        return stage % self.n_ranks
+
+    def format(self) -> str:
+        """One line per rank, actions separated by spaces: the golden-string form used in tests."""
+        return "\n".join(" ".join(map(str, order)) for order in self.orders)
+
+
+def _one_f_one_b(stage: int, n_stages: int, microbatches: range) -> list[Action]:
+    """1F1B on one stage over ``microbatches``: fill with ``P-1-s`` forwards, alternate, then drain."""
+    mbs = list(microbatches)
+    warmup = min(n_stages - 1 - stage, len(mbs))
+    order = [Action(stage, "F", j) for j in mbs[:warmup]]
+    for i, j in enumerate(mbs[warmup:]):
+        order += [Action(stage, "F", j), Action(stage, "B", mbs[i])]
+    order += [Action(stage, "B", j) for j in mbs[len(mbs) - warmup :]]
+    return order
+
+
+def _gpipe(stage: int, microbatches: range) -> list[Action]:
+    return [Action(stage, "F", j) for j in microbatches] + [Action(stage, "B", j) for j in microbatches]
+
+
+def _interleaved(rank: int, n_ranks: int, chunks: int, microbatches: range) -> list[Action]:
+    """Megatron's interleaved 1F1B on one rank holding virtual stages ``rank + c * n_ranks``.
+
+    Microbatches go through the chunks in groups of ``n_ranks``; warmup is ``2 (P - r - 1) + (v - 1) P``
+    forwards (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters").
+    """
+    mbs = list(microbatches)
+    total = len(mbs) * chunks
+
+    def unit(k: int, backward: bool) -> Action:
+        group, within = divmod(k, n_ranks * chunks)
+        chunk = (k // n_ranks) % chunks
+        if backward:
+            chunk = chunks - 1 - chunk
+        j = mbs[group * n_ranks + within % n_ranks]
+        return Action(rank + chunk * n_ranks, "B" if backward else "F", j)
+
+    warmup = min(total, 2 * (n_ranks - rank - 1) + (chunks - 1) * n_ranks)
+    order = [unit(k, False) for k in range(warmup)]
+    for k in range(warmup, total):
+        order += [unit(k, False), unit(k - warmup, True)]
+    order += [unit(k, True) for k in range(total - warmup, total)]
+    return order
+
+
+SIMULATED_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "2bw", "pipedream")
+
+
+def build_schedule(name: str, n_stages: int, n_microbatches: int, *, steps: int = 1, chunks: int = 2) -> Schedule:
+    """The per-rank action orders of schedule ``name`` for ``steps`` optimizer steps.
+
+    ``n_stages`` is the number of devices P. PipeDream takes one microbatch per optimizer step (its unit of
+    update is the microbatch), so ``n_microbatches`` is ignored there. ``zero-bubble`` returns the 1F1B order
+    with split backwards; its W actions are placed greedily by the timeline simulator (ZB-H1 policy).
+    """
+    if name not in SIMULATED_SCHEDULES:
+        raise ValueError(f"Invalid schedule: {name!r} (choose from {', '.join(SIMULATED_SCHEDULES)})")
+    for label, value in (("stages", n_stages), ("microbatches", n_microbatches), ("steps", steps)):
+        if value < 1:
+            raise ValueError(f"Invalid {label}: {value} (must be >= 1)")
+    P, M = n_stages, n_microbatches
+    per_step = [range(t * M, (t + 1) * M) for t in range(steps)]
+    if name == "gpipe":
+        orders = [sum((_gpipe(s, mbs) for mbs in per_step), []) for s in range(P)]
+        return Schedule(name, P, P, M, steps, _freeze(orders), "flush")
+    if name in ("1f1b", "zero-bubble"):
+        orders = [sum((_one_f_one_b(s, P, mbs) for mbs in per_step), []) for s in range(P)]
+        return Schedule(name, P, P, M, steps, _freeze(orders), "flush", split_backward=name == "zero-bubble")
+    if name == "interleaved-1f1b":
+        if M % P:
+            raise ValueError(f"Invalid microbatches: {M} (interleaved 1F1B needs a multiple of the stages, {P})")
+        orders = [sum((_interleaved(r, P, chunks, mbs) for mbs in per_step), []) for r in range(P)]
+        return Schedule(name, P * chunks, P, M, steps, _freeze(orders), "flush")
+    if name == "2bw":
+        if M < P:
+            raise ValueError(f"Invalid microbatches: {M} (PipeDream-2BW needs at least one per stage, {P})")
+        orders = [_one_f_one_b(s, P, range(steps * M)) for s in range(P)]
+        return Schedule(name, P, P, M, steps, _freeze(orders), "2bw")
+    # PipeDream updates after every microbatch: the same work as `steps` batches of M is steps * M updates.
+    orders = [_one_f_one_b(s, P, range(steps * M)) for s in range(P)]
+    return Schedule(name, P, P, 1, steps * M, _freeze(orders), "pipedream")
+
+
+def _freeze(orders: list[list[Action]]) -> tuple[tuple[Action, ...], ...]:
+    return tuple(tuple(order) for order in orders)

@@ -1,0 +1,88 @@
+"""The schedule IR and its timeline simulator: golden orders, closed-form bubbles, and derived delays."""
+
+import pytest
+
+from bubblefree.schedules.ir import build_schedule
+from bubblefree.schedules.report import simulate_schedules
+from bubblefree.schedules.timeline import Costs, simulate
+
+
+def test_golden_orders():
+    assert build_schedule("1f1b", 3, 4).format() == (
+        "0F0 0F1 0F2 0B0 0F3 0B1 0B2 0B3\n"
+        "1F0 1F1 1B0 1F2 1B1 1F3 1B2 1B3\n"
+        "2F0 2B0 2F1 2B1 2F2 2B2 2F3 2B3"
+    )
+    assert build_schedule("gpipe", 2, 2).format() == "0F0 0F1 0B0 0B1\n1F0 1F1 1B0 1B1"
+    # Megatron's interleaved order: rank 0 holds virtual stages 0 and 2, microbatches in groups of P = 2.
+    assert build_schedule("interleaved-1f1b", 2, 4).format().splitlines()[0] == (
+        "0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3"
+    )
+    # 2BW never flushes: step 1's forwards (microbatches 2, 3) interleave with step 0's backwards.
+    assert build_schedule("2bw", 2, 2, steps=2).format().splitlines()[0] == "0F0 0F1 0B0 0F2 0B1 0F3 0B2 0B3"
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("P,M", [(2, 2), (2, 8), (4, 4), (4, 16), (8, 8)])
+@pytest.mark.parametrize("costs", [Costs(1, 1), Costs(1, 2), Costs(0.5, 1.5)])
+def test_flush_bubble_matches_closed_form(name, P, M, costs):
+    tl = simulate(build_schedule(name, P, M, steps=3), costs)
+    assert tl.idle_fraction() == pytest.approx((P - 1) / (M + P - 1), abs=1e-12)
+
+
+@pytest.mark.parametrize("P,M,v", [(2, 4, 2), (4, 8, 2), (4, 8, 4)])
+def test_interleaved_bubble_matches_closed_form(P, M, v):
+    tl = simulate(build_schedule("interleaved-1f1b", P, M, chunks=v), Costs(1, 2))
+    assert tl.idle_fraction() == pytest.approx((P - 1) / (v * M + P - 1), abs=1e-12)
+
+
+@pytest.mark.parametrize("P,M,T", [(2, 2, 5), (4, 4, 3), (4, 8, 4), (8, 8, 2)])
+def test_async_schedules_fill_and_drain_once(P, M, T):
+    for name in ("2bw", "pipedream"):
+        tl = simulate(build_schedule(name, P, M, steps=T), Costs(1, 2))
+        assert tl.idle_fraction() == pytest.approx((P - 1) / (T * M + P - 1), abs=1e-12)
+
+
+def test_zero_bubble_beats_1f1b_at_the_same_memory():
+    P, M = 4, 8
+    zb = simulate(build_schedule("zero-bubble", P, M, steps=2), Costs(1, 2, 1))
+    base = simulate(build_schedule("1f1b", P, M, steps=2), Costs(1, 2, 1))
+    assert zb.idle_fraction() < base.idle_fraction()
+    assert zb.peak_activations() == base.peak_activations() == [P - s for s in range(P)]
+
+
+@pytest.mark.parametrize("P", [2, 3, 4, 8])
+def test_derived_delays_versions_and_activations(P):
+    M, T = 2 * P, 6
+    two_bw = simulate(build_schedule("2bw", P, M, steps=T))
+    assert two_bw.staleness() == [1] * P
+    assert two_bw.weight_versions() == [2] * P
+    assert two_bw.peak_activations() == [P - s for s in range(P)]
+    pipedream = simulate(build_schedule("pipedream", P, M, steps=T))
+    assert pipedream.staleness() == [P - 1 - s for s in range(P)]
+    assert pipedream.weight_versions() == [P - s for s in range(P)]
+    for name in ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"):
+        assert set(simulate(build_schedule(name, P, M, steps=T)).staleness()) == {0}
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="schedule"):
+        build_schedule("nope", 2, 2)
+    with pytest.raises(ValueError, match="stages"):
+        build_schedule("1f1b", 0, 2)
+    with pytest.raises(ValueError, match="at least one per stage"):
+        build_schedule("2bw", 4, 2)
+    with pytest.raises(ValueError, match="multiple"):
+        build_schedule("interleaved-1f1b", 4, 6)
+    for text in ("1:2", "a:b:c", "-1:1:1", "0:0:0"):
+        with pytest.raises(ValueError, match="costs"):
+            Costs.parse(text)
+    assert Costs.parse("1:1:1") == Costs(1, 2, 1)
+
+
+def test_report_writes_table_and_png(tmp_path, capsys):
+    rows = simulate_schedules(["1f1b", "2bw"], stages=2, microbatches=4, steps=3, out=tmp_path)
+    assert [r["schedule"] for r in rows] == ["1f1b", "2bw"]
+    assert rows[1]["idle_fraction"] < rows[0]["idle_fraction"]
+    assert (tmp_path / "timeline.png").stat().st_size > 10_000
+    assert "2bw" in capsys.readouterr().out
