@@ -1,0 +1,113 @@
+"""The one table of gradient delays per pipeline schedule, used by the trainer, the runtime and the simulator.
+
+A schedule's *delay* at a pipeline partition is the number of optimizer steps that land on that partition
+between the forward of a batch and the update that applies its gradient (DESIGN.md section 1): the gradient
+of batch ``t`` is evaluated at ``x_{t-d}`` and applied to ``x_t``. The unit is always **one optimizer step
+of the simulation** (one whole batch of ``batch_size`` sequences).
+
+| schedule | partitions | delay of partition ``j`` | weight versions |
+|---|---|---|---|
+| ``sync``, ``gpipe``, ``1f1b`` | ``P`` | 0 (they flush every step) | 1 |
+| ``2bw`` (PipeDream-2BW) | ``P`` | 1 on every stage | 2 |
+| ``pipedream`` (original) | ``P`` | ``P-1-j`` | ``P-j`` |
+| ``wpipe`` (Yang et al. 2022) | ``2P`` | 1 for ``j < P``, 0 for ``j >= P`` | 2 / 1 |
+
+*PipeDream.* The original updates once per microbatch with no gradient accumulation; stage ``s`` updates
+while ``P-1-s`` later microbatches are in flight. The simulation keeps its unit (one optimizer step = one
+whole batch), so ``pipedream`` here means "each stage is ``P-1-s`` optimizer steps stale", which compares
+it with 2BW at the same batch size per step (DESIGN.md section 1).
+
+*WPipe.* From the authors' code (yangpc615/WPipe, research/wpipe_nesterov.md, about 90 % sure): the model
+is cut into ``2P`` partitions over ``P`` devices, device ``s`` holding partitions ``s`` and ``s+P``; each
+group accumulates ``P`` microbatches per step and the two halves update alternately. The first half
+(partitions ``0..P-1``, i.e. the first half of the layers) has its forward of the next period moved ahead
+of the backward of the current one, hence delay 1 and two weight versions (``W_{k+1} = W_k - lr * g(W_{k-1})``
+in the code's docstring); the second half keeps the normal order: delay 0, one version. So for ``wpipe``
+the lists below have ``n_partitions("wpipe", P) = 2P`` entries, and parameters are mapped to partitions
+by splitting the model into ``2P`` consecutive pieces (``models.split.param_stages(model, 2 * P)``).
+
+``weight_versions`` is derived from the delays (``d + 1``: the live weights plus ``d`` stashed ones), never
+tabulated twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["SCHEDULES", "n_partitions", "parameter_delays", "stage_delays", "weight_versions"]
+
+SCHEDULES: tuple[str, ...] = ("sync", "gpipe", "1f1b", "2bw", "pipedream", "wpipe")
+"""Every schedule name the trainer, the runtime and the simulator accept (``pipeline.schedule``)."""
+
+
+def _check(schedule: str, n_stages: int) -> None:
+    if schedule not in SCHEDULES:
+        raise ValueError(f"Invalid schedule: {schedule!r} (expected one of {', '.join(SCHEDULES)})")
+    if isinstance(n_stages, bool) or not isinstance(n_stages, int) or n_stages < 1:
+        raise ValueError(f"Invalid n_stages: {n_stages!r} (must be an integer >= 1)")
+
+
+def n_partitions(schedule: str, n_stages: int) -> int:
+    """How many consecutive pieces the model is cut into: ``2P`` for ``wpipe``, ``P`` otherwise."""
+    _check(schedule, n_stages)
+    return 2 * n_stages if schedule == "wpipe" else n_stages
+
+
+def stage_delays(schedule: str, n_stages: int) -> list[int]:
+    """Delay (in optimizer steps) of each of the ``n_partitions(schedule, n_stages)`` model partitions.
+
+    >>> stage_delays("2bw", 3), stage_delays("pipedream", 3), stage_delays("wpipe", 2)
+    ([1, 1, 1], [2, 1, 0], [1, 1, 0, 0])
+    """
+    _check(schedule, n_stages)
+    if schedule == "2bw":
+        return [1] * n_stages
+    if schedule == "pipedream":
+        return [n_stages - 1 - s for s in range(n_stages)]
+    if schedule == "wpipe":
+        return [1] * n_stages + [0] * n_stages
+    return [0] * n_stages
+
+
+def weight_versions(schedule: str, n_stages: int) -> list[int]:
+    """Weight versions each partition holds (live + stashed): ``d + 1`` (2BW 2, PipeDream ``P - s``, sync 1)."""
+    return [d + 1 for d in stage_delays(schedule, n_stages)]
+
+
+def parameter_delays(model: nn.Module, optimizer: torch.optim.Optimizer, schedule: str | Sequence[int],
+                     n_stages: int, param_stages: Mapping[str, int]) -> list[int]:
+    """Per-parameter delays in the optimizer's order (flattened ``param_groups``), for ``DelayedOptimizer``.
+
+    ``schedule`` is a schedule name or an explicit list of per-partition delays (one per partition:
+    ``n_stages`` entries, or ``2 * n_stages`` for ``wpipe``-style splits). ``param_stages`` maps each
+    parameter name of ``model`` to its partition (``models.split.param_stages(model, n_partitions)``); a
+    parameter registered under several names (tied weights) needs only one of them.
+    """
+    if isinstance(schedule, str):
+        delays = stage_delays(schedule, n_stages)
+    else:
+        delays = [int(d) for d in schedule]
+        if isinstance(n_stages, bool) or not isinstance(n_stages, int) or n_stages < 1:
+            raise ValueError(f"Invalid n_stages: {n_stages!r} (must be an integer >= 1)")
+        if len(delays) not in (n_stages, 2 * n_stages):
+            raise ValueError(f"Invalid stage delays: {delays} (expected {n_stages} entries, one per stage)")
+        if any(d < 0 for d in delays):
+            raise ValueError(f"Invalid stage delays: {delays} (must be >= 0)")
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    out = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            known = [n for n in names.get(id(p), []) if n in param_stages]
+            if not known:
+                raise ValueError(f"Invalid param_stages: no stage for the optimizer parameter of shape "
+                                 f"{tuple(p.shape)} (model names: {names.get(id(p), ['<not in the model>'])})")
+            stage = param_stages[known[0]]
+            if not 0 <= stage < len(delays):
+                raise ValueError(f"Invalid param_stages[{known[0]!r}]: {stage} (must be in [0, {len(delays)}))")
+            out.append(delays[stage])
+    return out
