@@ -7,6 +7,7 @@ the single-process simulation (``bubblefree.train.sim``) or the torch.distribute
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple, Protocol
 
 __all__ = ["Executor", "StepStats"]
@@ -19,6 +20,8 @@ class StepStats(NamedTuple):
     """Gradient norm before clipping (over all stages)."""
     aux_loss: float = 0.0
     """MoE load-balancing loss of the step (0 for dense models)."""
+    lr: float = math.nan
+    """Learning rate of the step (first param group: the matrix rule's for Muon and MARS)."""
 
 
 class Executor(Protocol):

@@ -18,7 +18,8 @@ from typing import Any
 
 from bubblefree.errors import UserError
 
-__all__ = ["METRICS_FILE", "MetricsWriter", "plot_losses", "progress_bar", "read_metrics"]
+__all__ = ["METRICS_FILE", "MetricsWriter", "plot_losses", "progress_bar", "read_metrics",
+           "tensorboard_writer"]
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -32,6 +33,16 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue
     return records
+
+
+def tensorboard_writer() -> type:
+    """``torch.utils.tensorboard.SummaryWriter``, or a UserError when the optional extra is not installed."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise UserError("Invalid log.tensorboard: true needs the tensorboard package "
+                        "(pip install 'bubblefree[tensorboard]')") from None
+    return SummaryWriter
 
 
 class MetricsWriter:
@@ -52,12 +63,7 @@ class MetricsWriter:
         self._file = self.path.open("a", buffering=1)
         self._tb = None
         if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                raise UserError("Invalid log.tensorboard: true needs the tensorboard package "
-                                "(pip install 'bubblefree[tensorboard]')") from None
-            self._tb = SummaryWriter(str(Path(out_dir) / "tensorboard"), purge_step=resume_step)
+            self._tb = tensorboard_writer()(str(Path(out_dir) / "tensorboard"), purge_step=resume_step)
 
     def log(self, record: dict[str, Any]) -> None:
         """Write one record (JSON line, flushed; numeric fields also to TensorBoard under ``train/``)."""

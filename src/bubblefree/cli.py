@@ -1,0 +1,111 @@
+"""The ``bubblefree`` command (DESIGN.md section 6).
+
+    bubblefree train [--preset NAME] [--config FILE.toml] [--set KEY=VALUE ...] [--out DIR] [--resume DIR]
+    bubblefree bench {train,optim,delay} [--out DIR]
+
+Exit codes: 0 success; 2 invalid input (one line on stderr naming the problem, nothing written or
+overwritten); 1 an internal failure (with its traceback); 130 interrupted (after a checkpoint when one could
+be taken).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from bubblefree import __version__
+from bubblefree.errors import UserError
+
+__all__ = ["build_parser", "main"]
+
+BENCHMARKS = ("train", "optim", "delay")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="bubblefree",
+        description="Asynchronous pipeline-parallel LLM pretraining (PipeDream-2BW, PipeDream) with "
+                    "delay-robust optimizers and Error Feedback (arXiv 2606.30634).")
+    parser.add_argument("--version", action="version", version=f"bubblefree {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    train = commands.add_parser(
+        "train", help="train a model (bare: the paper's recipe on the embedded corpus, a few minutes on CPU)",
+        description="Train a model. Configuration precedence: preset < --config < --set.")
+    train.add_argument("--preset", metavar="NAME", help="run preset (default: demo); see docs/training.md")
+    train.add_argument("--config", metavar="FILE.toml", help="TOML file with [section] tables of keys")
+    train.add_argument("--set", metavar="KEY=VALUE", action="append", default=[], dest="overrides",
+                       help="override one key, e.g. --set optim.lr=3e-4 (repeatable)")
+    train.add_argument("--out", metavar="DIR", help="output folder (default: runs/<preset>-<time>); "
+                                                    "must not already hold a run")
+    train.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its newest checkpoint")
+
+    bench = commands.add_parser("bench", help="run a benchmark and print a side-by-side table")
+    bench.add_argument("name", choices=BENCHMARKS)
+    bench.add_argument("--out", metavar="DIR", help="also write the results here")
+    return parser
+
+
+def _train_config(args: argparse.Namespace):
+    from bubblefree.train.config import (apply_overrides, config_from_dict, load_config, parse_override,
+                                         read_toml, validate)
+
+    if args.resume is None:
+        return load_config(args.preset, args.config, args.overrides)
+    if args.preset is not None or args.config is not None:
+        raise UserError("Invalid --resume: the run's own config.toml is used; only --set may change "
+                        "(for example) train.steps")
+    saved = Path(args.resume) / "config.toml"
+    if not saved.is_file():
+        raise UserError(f"Invalid --resume: {args.resume} holds no run (no config.toml)")
+    config = config_from_dict(read_toml(saved), origin=str(saved))
+    return validate(apply_overrides(config, dict(parse_override(config, text) for text in args.overrides)))
+
+
+def _train(args: argparse.Namespace) -> int:
+    from bubblefree.train.loop import train
+
+    config = _train_config(args)
+    if args.resume is not None:
+        if args.out is not None and Path(args.out).resolve() != Path(args.resume).resolve():
+            raise UserError(f"Invalid --out: {args.out} (a resumed run writes to its own folder {args.resume})")
+        out_dir = Path(args.resume)
+    else:
+        out_dir = Path(args.out or f"runs/{args.preset or 'demo'}-{time.strftime('%Y%m%d-%H%M%S')}")
+    train(config, out_dir=out_dir, resume=args.resume is not None)
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    try:
+        module = importlib.import_module(f"bubblefree.bench.{args.name}")
+    except ModuleNotFoundError as e:
+        if e.name != f"bubblefree.bench.{args.name}":
+            raise
+        raise UserError(f"Invalid benchmark: {args.name!r} is not available in this build") from None
+    module.run(out=Path(args.out) if args.out else None)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line; return the exit code (the console script exits with it)."""
+    args = build_parser().parse_args(argv)
+    try:
+        return {"train": _train, "bench": _bench}[args.command](args)
+    except UserError as e:
+        print(f"bubblefree: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("bubblefree: interrupted", file=sys.stderr)
+        return 130
+    except Exception:
+        traceback.print_exc()
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,213 @@
+"""The training loop: seed, build, pick the executor once, step, log, evaluate, checkpoint, plot, summarise.
+
+The loop is the same for the single-process simulation and the distributed runtime; everything
+runtime-specific lives behind :class:`bubblefree.train.executor.Executor`. The learning rate follows the
+paper's recipe (``optim.lr_scale``: 10 % linear warmup, cosine to 10 % of peak).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from bubblefree.errors import UserError
+from bubblefree.optim.schedule import lr_scale
+from bubblefree.train.checkpoint import (CHECKPOINT_DIR, latest_checkpoint, load_checkpoint, restore_rng,
+                                         save_checkpoint)
+from bubblefree.train.config import Config, config_diff, config_from_dict, config_to_dict, dump_toml, validate
+from bubblefree.train.executor import Executor
+from bubblefree.train.metrics import METRICS_FILE, MetricsWriter, plot_losses, progress_bar, tensorboard_writer
+
+__all__ = ["RESUMABLE_KEYS", "check_fresh_out_dir", "make_executor", "train"]
+
+# Keys a resumed run may change: they decide what is logged, kept or how long the run is, not the trajectory
+# of the steps already taken (a longer ``train.steps`` stretches the cosine over the new length from here on).
+RESUMABLE_KEYS = ("train.steps", "train.eval_every", "train.eval_batches", "train.log_every", "train.ckpt_every",
+                  "train.ckpt_keep", "train.device", "log.tensorboard", "log.progress")
+CONFIG_FILE = "config.toml"
+PLOT_FILE = "loss.png"
+
+
+def check_fresh_out_dir(out_dir: Path) -> None:
+    """Refuse an output folder that already holds a run, so nothing of an earlier run is overwritten."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"Invalid output folder: {out_dir} exists and is not a folder")
+    held = [name for name in (CONFIG_FILE, METRICS_FILE, CHECKPOINT_DIR) if (out_dir / name).exists()]
+    if held:
+        raise UserError(f"Invalid output folder: {out_dir} already holds a run ({', '.join(held)}); "
+                        f"continue it with --resume {out_dir} or choose another --out")
+
+
+def make_executor(config: Config, model: torch.nn.Module, data: Any) -> Executor:
+    """The one place the runtime is chosen."""
+    if config.pipeline.runtime == "sim":
+        from bubblefree.train.sim import SimExecutor
+
+        return SimExecutor(config, model, data)
+    try:
+        from bubblefree.distributed import DistributedExecutor
+    except ImportError:
+        raise UserError("Invalid pipeline.runtime: 'distributed' is not available in this build") from None
+    return DistributedExecutor(config, model, data)
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def _deferred_interrupt():
+    """Turn the first Ctrl-C into a flag checked between steps, so a checkpoint is taken at a step boundary."""
+    flag = {"hit": False}
+    if not _is_main_thread():
+        yield flag
+        return
+
+    def handler(signum, frame):
+        flag["hit"] = True
+        signal.signal(signal.SIGINT, previous)  # a second Ctrl-C interrupts at once
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield flag
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _is_main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def _resume_state(config: Config, out_dir: Path) -> dict[str, Any]:
+    path = latest_checkpoint(out_dir)
+    if path is None:
+        raise UserError(f"Invalid --resume: {out_dir} holds no checkpoint")
+    ckpt = load_checkpoint(path)
+    saved = config_from_dict(ckpt["config"], origin=f"checkpoint {path}")
+    differ = {k: v for k, v in config_diff(saved, config).items() if k not in RESUMABLE_KEYS}
+    if differ:
+        listed = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in differ.items())
+        raise UserError(f"Invalid --resume: the config differs from the checkpoint's in {listed}")
+    if ckpt["step"] > config.train.steps:
+        raise UserError(f"Invalid train.steps: {config.train.steps} (the checkpoint is at step {ckpt['step']})")
+    return ckpt
+
+
+def _build(config: Config, out_dir: Path, resume: bool) -> tuple[Executor, int, int, str]:
+    """Validate, load data, build the model and executor and restore the checkpoint; write nothing.
+
+    Returns ``(executor, first step, parameter count, data source)``.
+    """
+    from bubblefree.data import load_tokens
+    from bubblefree.models import build_model
+
+    validate(config)
+    if config.log.tensorboard:
+        tensorboard_writer()
+    if not resume:
+        check_fresh_out_dir(out_dir)
+    ckpt = _resume_state(config, out_dir) if resume else None
+    _seed_everything(config.train.seed)
+    data = load_tokens(config.data)
+    model = build_model(config.model.preset, vocab_size=config.model.vocab_size or data.vocab_size)
+    executor = make_executor(config, model, data)
+    if ckpt is None:
+        return executor, 0, sum(p.numel() for p in model.parameters()), data.source
+    executor.load_state_dict(ckpt["executor"])
+    restore_rng(ckpt["rng"])
+    return executor, ckpt["step"], sum(p.numel() for p in model.parameters()), data.source
+
+
+def train(config: Config, *, out_dir: str | Path, resume: bool = False) -> dict[str, Any]:
+    """Train as ``config`` says, writing config.toml, metrics.jsonl, checkpoints and loss.png to ``out_dir``.
+
+    With ``resume`` the newest checkpoint in ``out_dir`` is loaded and the run continues from it; the steps
+    after it are identical to those of an uninterrupted run. Returns the run's summary. Invalid input is
+    reported as a UserError before anything is written (a ValueError from the library while setting up is
+    invalid input too: that is how the library reports bad arguments).
+    """
+    out_dir, cfg = Path(out_dir), config.train
+    try:
+        executor, start, n_params, source = _build(config, out_dir, resume)
+    except UserError:
+        raise
+    except ValueError as e:
+        raise UserError(str(e)) from e
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _write_atomic(out_dir / CONFIG_FILE, dump_toml(config))
+    print(f"bubblefree: {'resuming' if resume else 'training'} {config.model.preset} "
+          f"({n_params / 1e6:.2f}M parameters) on {source}, "
+          f"step {start}/{cfg.steps}; outputs in {out_dir}", flush=True)
+    metrics = MetricsWriter(out_dir, tensorboard=config.log.tensorboard, resume_step=start if resume else None)
+    bar = progress_bar(total=cfg.steps, initial=start, enabled=config.log.progress)
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    val_loss, train_time, window_time, window_tokens, tokens_per_s = float("nan"), 0.0, 0.0, 0, 0.0
+
+    def checkpoint(done: int) -> None:
+        save_checkpoint(out_dir, step=done, executor_state=executor.state_dict(),
+                        config=config_to_dict(config), keep=cfg.ckpt_keep)
+
+    with _deferred_interrupt() as interrupt:
+        for step in range(start, cfg.steps):
+            tic = time.perf_counter()
+            stats = executor.train_step(step, lr_scale(step, cfg.steps, warmup_frac=cfg.warmup_frac,
+                                                       min_lr_frac=cfg.min_lr_frac))
+            elapsed = time.perf_counter() - tic
+            train_time, window_time, window_tokens = train_time + elapsed, window_time + elapsed, \
+                window_tokens + tokens_per_step
+            done, last = step + 1, step + 1 == cfg.steps
+            evaluate = last or (cfg.eval_every > 0 and done % cfg.eval_every == 0)
+            if evaluate:
+                val_loss = executor.evaluate()
+            if evaluate or done % cfg.log_every == 0:
+                tokens_per_s, window_time, window_tokens = window_tokens / window_time, 0.0, 0
+                record = {"step": done, "tokens": done * tokens_per_step, "loss": stats.loss, "lr": stats.lr,
+                          "tokens_per_s": tokens_per_s, "grad_norm": stats.grad_norm}
+                if stats.aux_loss:
+                    record["aux_loss"] = stats.aux_loss
+                if evaluate:
+                    record["val_loss"] = val_loss
+                    bar.write(f"step {done}/{cfg.steps}: train loss {stats.loss:.4f}, validation loss "
+                              f"{val_loss:.4f}, {tokens_per_s:.0f} tokens/s")
+                metrics.log(record)
+                bar.set_postfix(loss=f"{stats.loss:.3f}", tok_s=f"{tokens_per_s:.0f}")
+            bar.update(1)
+            if last or (cfg.ckpt_every > 0 and done % cfg.ckpt_every == 0) or interrupt["hit"]:
+                checkpoint(done)
+            if interrupt["hit"] and not last:
+                bar.close()
+                metrics.close()
+                print(f"\nbubblefree: interrupted; checkpoint at step {done} in {out_dir}; continue with "
+                      f"bubblefree train --resume {out_dir}", flush=True)
+                raise KeyboardInterrupt
+    bar.close()
+    metrics.close()
+    executor.close()
+    plot_losses(out_dir / METRICS_FILE, out_dir / PLOT_FILE, title=f"{config.model.preset}, "
+                f"{config.optim.name}, {config.pipeline.schedule}, {config.delay.correction}")
+    trained = cfg.steps - start
+    summary = {"steps": cfg.steps, "tokens": cfg.steps * tokens_per_step, "final_val_loss": val_loss,
+               "tokens_per_s": trained * tokens_per_step / train_time if train_time else 0.0,
+               "out_dir": str(out_dir)}
+    print(f"bubblefree: done. final validation loss {val_loss:.4f}, {summary['tokens_per_s']:.0f} tokens/s; "
+          f"outputs in {out_dir} (config.toml, metrics.jsonl, loss.png, checkpoints/)", flush=True)
+    return summary

@@ -1,0 +1,122 @@
+"""The single-process executor: an exact simulation of a (possibly asynchronous) pipeline's training step.
+
+One optimizer step ``t`` of a pipeline with ``P`` stages and ``M`` microbatches computes (DESIGN.md section 1)
+
+    g_t = (1/M) sum_m grad f(x_{t-d_s}; b_{t,m})   on the parameters of stage s,
+    x_{t+1} = x_t - u_t (+ the configured correction),
+
+with the per-stage delays ``d_s`` of the schedule (``schedules.stage_delays``: 0 for sync/gpipe/1f1b, 1 for
+PipeDream-2BW, ``P-1-s`` for PipeDream). :class:`bubblefree.delay.DelayedOptimizer` keeps the stash of old
+weights and the Error Feedback / Taylor state; inside ``stale_params()`` each parameter holds the version its
+stage's forward and backward would see. The forward and backward of the whole model run in one process, which
+gives the same gradients as the stage-split pipeline (activations pass through unchanged). Each stage then clips
+its own gradients to ``grad_clip / sqrt(P)`` as the distributed runtime does (``optim.clip_stage_grads``), so
+the simulation and the runtime follow one trajectory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from bubblefree.data import eval_batches, get_batch
+from bubblefree.delay import DelayedOptimizer
+from bubblefree.models.split import param_stages
+from bubblefree.optim import build_optimizer, clip_stage_grads, set_lr_scale
+from bubblefree.schedules import stage_delays
+from bubblefree.train.config import Config
+from bubblefree.train.executor import StepStats
+
+__all__ = ["SimExecutor", "resolve_device"]
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` is CUDA when available, else CPU; asking for CUDA without one is a ValueError."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("Invalid train.device: 'cuda' (no CUDA device is available)")
+    return torch.device(name)
+
+
+class SimExecutor:
+    """:class:`~bubblefree.train.executor.Executor` that runs the pipeline's update rule in one process.
+
+    ``model`` is a ``bubblefree.models.Transformer``; ``data`` a ``bubblefree.data.TokenData``. Gradients of
+    ``pipeline.microbatches`` microbatches of ``batch_size / microbatches`` sequences are accumulated per step.
+    """
+
+    def __init__(self, config: Config, model: torch.nn.Module, data: Any):
+        self.config = config
+        self.data = data
+        self.device = resolve_device(config.train.device)
+        self.model = model.to(self.device)
+        dtype = config.train.dtype
+        use_bf16 = dtype == "bfloat16" or (dtype == "auto" and self.device.type == "cuda")
+        self._autocast = (lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)) if use_bf16 \
+            else contextlib.nullcontext
+
+        self.optimizer = build_optimizer(model, config.optim)
+        n_stages = config.pipeline.stages
+        names = {id(p): name for name, p in model.named_parameters()}
+        stage_of_name = param_stages(model, n_stages)
+        params = self.optimizer.params()
+        stage_of = [stage_of_name[names[id(p)]] for p in params]
+        delays = stage_delays(config.pipeline.schedule, n_stages)
+        self.stage_params = [[p for p, s in zip(params, stage_of) if s == stage] for stage in range(n_stages)]
+        self.delayed = DelayedOptimizer(
+            self.optimizer, delays=[delays[s] for s in stage_of], correction=config.delay.correction,
+            ef_beta=config.delay.ef_beta, taylor_lambda=config.delay.taylor_lambda,
+            sync_start_steps=config.delay.sync_start_steps,
+            sync_cooldown_steps=config.delay.sync_cooldown_steps, total_steps=config.train.steps)
+
+    def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with self._autocast():
+            logits = self.model(x)
+        return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+
+    def train_step(self, step: int, lr_scale: float) -> StepStats:
+        cfg, n_micro = self.config, self.config.pipeline.microbatches
+        self.model.train()
+        set_lr_scale(self.optimizer, lr_scale)
+        self.delayed.zero_grad()
+        total = torch.zeros((), device=self.device)
+        aux = 0.0
+        with self.delayed.stale_params():
+            for micro in range(n_micro):
+                x, y = get_batch(self.data.train, seed=cfg.train.seed, step=step, microbatch=micro,
+                                 batch_size=cfg.train.batch_size // n_micro, seq_len=cfg.train.seq_len,
+                                 device=self.device)
+                loss = self._loss(x, y)
+                (loss / n_micro).backward()
+                total += loss.detach()
+                aux += float(self.model.aux_loss()) / n_micro
+        norms = [clip_stage_grads(params, cfg.train.grad_clip, n_stages=len(self.stage_params))
+                 for params in self.stage_params]
+        self.delayed.step()
+        return StepStats(loss=float(total) / n_micro, grad_norm=math.sqrt(sum(n * n for n in norms)),
+                         aux_loss=aux, lr=self.optimizer.param_groups[0]["lr"])
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean cross-entropy over ``train.eval_batches`` fixed validation batches at the current weights."""
+        cfg = self.config.train
+        self.model.eval()
+        losses = [self._loss(x.to(self.device), y.to(self.device))
+                  for x, y in eval_batches(self.data.val, n_batches=cfg.eval_batches,
+                                           batch_size=cfg.batch_size, seq_len=cfg.seq_len)]
+        return float(torch.stack(losses).mean())
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "optimizer": self.delayed.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.delayed.load_state_dict(state["optimizer"])
+
+    def close(self) -> None:
+        pass
