@@ -1,1 +1,17 @@
+"""Models: a LLaMA-style decoder (dense or mixture-of-experts), named presets, and the pipeline-stage split."""
 
+from bubblefree.models.llama import ModelArgs, Transformer, to_hf_llama
+from bubblefree.models.presets import PRESETS, build_model
+from bubblefree.models.split import StageModule, param_stages, split_model, stage_layer_ranges
+
+__all__ = [
+    "PRESETS",
+    "ModelArgs",
+    "StageModule",
+    "Transformer",
+    "build_model",
+    "param_stages",
+    "split_model",
+    "stage_layer_ranges",
+    "to_hf_llama",
+]

@@ -1,0 +1,103 @@
+"""Named model sizes. Each preset is a function returning ``ModelArgs``; its name carries its total parameter
+count (checked within 10 % by the tests; the CPU presets at the default BPE vocabulary of 8192).
+
+- ``llama-1m`` / ``llama-5m`` / ``llama-20m``: CPU-sized dense models for the default corpus. Untied heads:
+  at this size the embedding holds most of the parameters, and an untied head let the prototype of
+  DESIGN.md section 7 (3.3M parameters, untied) train well at a large learning rate.
+- ``moe-20m``: a CPU-sized MoE (8 experts, top-2, one shared expert) to exercise routing under delay.
+- ``smollm2-135m`` / ``smollm2-360m``: the paper's models, with SmolLM2's shapes (DESIGN.md section 2).
+- ``moe-2b`` / ``moe-10b``: the paper's MoE scale (arXiv 2606.30634 does not publish its architecture; ours
+  is fine-grained routed experts plus one shared expert in the DeepSeekMoE / OLMoE style, first block dense).
+  moe-10b: 24 layers, dim 2048, 64 experts of width 1024, top-8 + 1 shared: 9.9B total, 1.8B active per token.
+  moe-2b: 20 layers, dim 1024, 64 experts of width 512, top-8 + 1 shared: 2.1B total, 0.44B active.
+  Active counts include the (untied) embedding and head.
+  (``docs/models.md`` has the full table; ``Transformer.num_params(active=True)`` computes it.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from bubblefree.errors import UserError
+from bubblefree.models.llama import ModelArgs, Transformer
+
+__all__ = ["DEFAULT_VOCAB", "PRESETS", "build_model"]
+
+DEFAULT_VOCAB = 8192
+"""The default BPE vocabulary (``DataConfig.vocab_size``) the CPU presets are sized at."""
+
+SMOLLM2_VOCAB = 49152
+"""SmolLM2's tokenizer size; the large presets are sized at it."""
+
+
+def llama_1m(vocab_size: int = DEFAULT_VOCAB) -> ModelArgs:
+    return ModelArgs(vocab_size=vocab_size, dim=48, n_layers=4, n_heads=2, n_kv_heads=2, mlp_hidden=192)
+
+
+def llama_5m(vocab_size: int = DEFAULT_VOCAB) -> ModelArgs:
+    return ModelArgs(vocab_size=vocab_size, dim=192, n_layers=4, n_heads=3, n_kv_heads=3, mlp_hidden=512)
+
+
+def llama_20m(vocab_size: int = DEFAULT_VOCAB) -> ModelArgs:
+    return ModelArgs(vocab_size=vocab_size, dim=384, n_layers=8, n_heads=6, n_kv_heads=2, mlp_hidden=1024)
+
+
+def moe_20m(vocab_size: int = DEFAULT_VOCAB) -> ModelArgs:
+    return ModelArgs(
+        vocab_size=vocab_size, dim=256, n_layers=4, n_heads=4, n_kv_heads=2, mlp_hidden=512,
+        n_experts=8, top_k=2, n_shared_experts=1, expert_hidden=512,
+    )  # fmt: skip
+
+
+def smollm2_135m(vocab_size: int = SMOLLM2_VOCAB) -> ModelArgs:
+    return ModelArgs(
+        vocab_size=vocab_size, dim=576, n_layers=30, n_heads=9, n_kv_heads=3, mlp_hidden=1536,
+        rope_theta=1e5, tie_embeddings=True,
+    )  # fmt: skip
+
+
+def smollm2_360m(vocab_size: int = SMOLLM2_VOCAB) -> ModelArgs:
+    return ModelArgs(
+        vocab_size=vocab_size, dim=960, n_layers=32, n_heads=15, n_kv_heads=5, mlp_hidden=2560,
+        rope_theta=1e5, tie_embeddings=True,
+    )  # fmt: skip
+
+
+def moe_2b(vocab_size: int = SMOLLM2_VOCAB) -> ModelArgs:
+    return ModelArgs(
+        vocab_size=vocab_size, dim=1024, n_layers=20, n_heads=16, n_kv_heads=4, mlp_hidden=4096, rope_theta=1e5,
+        n_experts=64, top_k=8, n_shared_experts=1, expert_hidden=512, n_dense_layers=1, max_seq_len=4096,
+    )  # fmt: skip
+
+
+def moe_10b(vocab_size: int = SMOLLM2_VOCAB) -> ModelArgs:
+    return ModelArgs(
+        vocab_size=vocab_size, dim=2048, n_layers=24, n_heads=16, n_kv_heads=4, mlp_hidden=8192, rope_theta=1e5,
+        n_experts=64, top_k=8, n_shared_experts=1, expert_hidden=1024, n_dense_layers=1, max_seq_len=4096,
+    )  # fmt: skip
+
+
+PRESETS: dict[str, Callable[..., ModelArgs]] = {
+    "llama-1m": llama_1m,
+    "llama-5m": llama_5m,
+    "llama-20m": llama_20m,
+    "moe-20m": moe_20m,
+    "smollm2-135m": smollm2_135m,
+    "smollm2-360m": smollm2_360m,
+    "moe-2b": moe_2b,
+    "moe-10b": moe_10b,
+}
+"""Preset name -> ``ModelArgs`` factory taking an optional ``vocab_size``."""
+
+
+def build_model(
+    name: str, *, vocab_size: int | None = None, device: torch.device | str | None = None
+) -> Transformer:
+    """The preset ``name`` as a ``Transformer`` initialised from the global torch seed (``device="meta"``
+    builds it without memory). ``vocab_size`` replaces the preset's (e.g. the tokenizer's)."""
+    if name not in PRESETS:
+        raise UserError(f"Unknown model preset: {name!r} (valid: {', '.join(PRESETS)})")
+    args = PRESETS[name]() if vocab_size is None else PRESETS[name](vocab_size)
+    return Transformer(args, device=device)
