@@ -1,0 +1,135 @@
+"""One table of the project's optimizers and ``build_optimizer(model, cfg)``, which routes parameters.
+
+Each :class:`OptimizerSpec` holds the LLM-pretraining defaults of DESIGN.md section 4, how the one
+``momentum`` knob of DESIGN.md section 1 maps onto the optimizer's own coefficients, whether hidden matrices
+get their own rule (Muon, MARS: embeddings, head, norms and biases go to AdamW groups), and a factory for the
+installed reference implementation that the tests and the benchmark compare against. Adding an optimizer is
+one entry in :data:`OPTIMIZERS`.
+
+Routing: a parameter is a *hidden matrix* when ``p.ndim >= 2`` and its name contains neither ``embed`` nor
+``lm_head`` (tied weights appear once in ``named_parameters``), as docs/architecture.md fixes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from bubblefree.optim.adamw import AdamW
+from bubblefree.optim.adan import Adan
+from bubblefree.optim.base import UpdateOptimizer, check_nonneg
+from bubblefree.optim.lion import Lion
+from bubblefree.optim.mars import MARS
+from bubblefree.optim.muon import Muon
+
+__all__ = ["OPTIMIZERS", "OptimizerSpec", "build_optimizer", "is_hidden_matrix", "param_groups"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerSpec:
+    """How to build one optimizer for LLM pretraining and what to compare it against."""
+
+    cls: type[UpdateOptimizer]
+    """The optimizer class (an :class:`~bubblefree.optim.base.UpdateOptimizer`)."""
+
+    lr: float
+    """Default peak learning rate."""
+
+    betas: tuple[float, ...] | None
+    """Default betas (None for Muon, whose coefficient is ``momentum``)."""
+
+    weight_decay: float
+    """Default decoupled weight decay of the class (``build_optimizer`` takes ``cfg.weight_decay``)."""
+
+    momentum: float
+    """Default value of the momentum knob."""
+
+    momentum_kwargs: Callable[[float], dict[str, Any]]
+    """Maps the knob's value to constructor keyword arguments (AdamW/MARS ``beta1``, Muon ``mu``, ...)."""
+
+    route_key: str | None = None
+    """Group flag that selects the matrix rule (``use_muon``, ``use_mars``); None: one rule for every parameter."""
+
+    adamw_lr: float = 0.0
+    """Default lr of the AdamW groups when ``route_key`` is set."""
+
+    reference: Callable[..., torch.optim.Optimizer] | None = None
+    """``reference(params_or_groups, **hparams)``: the installed implementation we are tested against."""
+
+
+def _torch_adamw(params, **kw):
+    return torch.optim.AdamW(params, foreach=True, **kw)
+
+
+def _po(name: str) -> Callable[..., torch.optim.Optimizer]:
+    def make(params, **kw):
+        import pytorch_optimizer  # test/benchmark-only dependency
+
+        return getattr(pytorch_optimizer, name)(params, **kw)
+
+    make.__name__ = f"pytorch_optimizer.{name}"
+    return make
+
+
+def _lion_betas(beta2: float) -> dict[str, Any]:
+    # The knob is Lion's memory beta2; beta1 keeps the default pair's (0.95, 0.98) ratio of time constants.
+    return {"betas": (max(0.0, 1.0 - 2.5 * (1.0 - beta2)), beta2)}
+
+
+OPTIMIZERS: dict[str, OptimizerSpec] = {
+    "adamw": OptimizerSpec(cls=AdamW, lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1, momentum=0.9,
+                           momentum_kwargs=lambda m: {"betas": (m, 0.95)}, reference=_torch_adamw),
+    "muon": OptimizerSpec(cls=Muon, lr=0.02, betas=None, weight_decay=0.1, momentum=0.95,
+                          momentum_kwargs=lambda m: {"momentum": m}, route_key="use_muon", adamw_lr=3e-3,
+                          reference=torch.optim.Muon),
+    "lion": OptimizerSpec(cls=Lion, lr=1e-4, betas=(0.95, 0.98), weight_decay=0.5, momentum=0.98,
+                          momentum_kwargs=_lion_betas, reference=_po("Lion")),
+    "adan": OptimizerSpec(cls=Adan, lr=2.5e-3, betas=(0.98, 0.92, 0.99), weight_decay=0.05, momentum=0.98,
+                          momentum_kwargs=lambda m: {"betas": (m, 0.92, 0.99)}, reference=_po("Adan")),
+    "mars": OptimizerSpec(cls=MARS, lr=6e-3, betas=(0.95, 0.99), weight_decay=0.1, momentum=0.95,
+                          momentum_kwargs=lambda m: {"betas": (m, 0.99)}, route_key="use_mars", adamw_lr=3e-3,
+                          reference=_po("MARS")),
+}
+"""The optimizers selectable as ``optim.name``; SOAP joins as one more entry."""
+
+
+def is_hidden_matrix(name: str, p: torch.Tensor) -> bool:
+    """True for parameters the matrix rules (Muon, MARS) own; see the module docstring."""
+    return p.ndim >= 2 and "embed" not in name and "lm_head" not in name
+
+
+def param_groups(model: nn.Module, route_key: str | None, *, adamw_lr: float) -> list[dict[str, Any]]:
+    """Split trainable parameters into the matrix group and the AdamW group (empty groups are left out)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if route_key is None:
+        return [{"params": [p for _, p in named]}]
+    hidden = [p for n, p in named if is_hidden_matrix(n, p)]
+    rest = [p for n, p in named if not is_hidden_matrix(n, p)]
+    groups = [{"params": hidden, route_key: True}, {"params": rest, route_key: False, "lr": adamw_lr}]
+    return [g for g in groups if g["params"]]
+
+
+def build_optimizer(model: nn.Module, cfg) -> UpdateOptimizer:
+    """The optimizer ``cfg.name`` over ``model``'s parameters, with ``cfg``'s lr, momentum and weight decay.
+
+    ``cfg`` is a :class:`bubblefree.train.config.OptimConfig`: ``lr <= 0`` and ``adamw_lr <= 0`` take the
+    registry default, a negative ``momentum`` the optimizer's default. Unknown names raise ValueError.
+    """
+    spec = OPTIMIZERS.get(cfg.name)
+    if spec is None:
+        raise ValueError(f"Invalid optim.name: {cfg.name!r} (expected one of {', '.join(sorted(OPTIMIZERS))})")
+    check_nonneg("optim.weight_decay", cfg.weight_decay)
+    kwargs: dict[str, Any] = {"lr": cfg.lr if cfg.lr > 0 else spec.lr, "weight_decay": cfg.weight_decay}
+    if cfg.momentum >= 0:
+        if not cfg.momentum < 1:
+            raise ValueError(f"Invalid optim.momentum: {cfg.momentum} (must be in [0, 1))")
+        kwargs.update(spec.momentum_kwargs(cfg.momentum))
+    adamw_lr = cfg.adamw_lr if cfg.adamw_lr > 0 else spec.adamw_lr
+    if spec.route_key is not None:
+        kwargs.update(adamw_lr=adamw_lr, adamw_weight_decay=cfg.weight_decay)
+    groups = param_groups(model, spec.route_key, adamw_lr=adamw_lr)
+    return spec.cls(groups, **kwargs)
