@@ -1,0 +1,309 @@
+"""Delayed-gradient training (weight stashing) with Error Feedback, Taylor and Nesterov corrections.
+
+One implementation of DESIGN.md section 1, shared by the single-process simulation (one instance for the
+whole model, per-parameter delays) and the distributed runtime (one instance per pipeline stage). Notation:
+``x_t`` are the parameters after ``t`` steps, ``(u_t, s_{t+1}) = O(g, s_t, x_t)`` the inner optimizer's
+whole step, ``d`` a parameter's delay (``schedules.stage_delays``), ``K_s``/``K_c`` the synchronous start
+and cooldown, ``T`` the run length. Step ``t`` is *asynchronous* when ``K_s <= t < T - K_c``; elsewhere
+``d = 0``. With ``a`` the step at which the current asynchronous phase began (``K_s``):
+
+* delay:     ``u_t = O(grad f(x_{max(t-d, a)}; b_t), s_t, x_t)``,  ``x_{t+1} = x_t - u_t``
+  (``a = 0`` gives DESIGN's ``x_j = x_0`` for ``j < 0``);
+* ``"ef"``:  ``x_{t+1} = x_t - u_t - beta (u_t - u_{t-d})`` with ``u_j = 0`` for ``j < a``
+  (arXiv 2606.30634). Invariant: ``z_t = x_t + beta * sum_{j=t-d}^{t-1} u_j`` obeys ``z_{t+1} = z_t - u_t``;
+* ``"taylor"`` (DC-ASGD, Zheng et al. 2017): the optimizer sees ``g + lambda * g * g * (x_t - x_{t-d})``;
+* ``"nesterov"`` (Ajanthan et al. 2025, arXiv 2505.01099): ``w_{t+1} = w_t + m_t - (1-gamma) u_t`` with
+  ``m_t = gamma (w_t - w_{t-1})`` and the gradient taken at the look-ahead ``w_{t-d} + m_{t-d}``. The live
+  parameters hold the look-ahead ``y_t = w_t + m_t`` (as NAdam does), so plain weight stashing yields exactly
+  that point, and the rule becomes update-level: ``b_{t+1} = gamma b_t + (1-gamma) u_t``,
+  ``y_{t+1} = y_t - (1-gamma) u_t - gamma b_{t+1}``, ``b_0 = 0``. With SGD inside (``u = lr * g``) this is
+  the paper's formula; one buffer ``b`` per parameter. (The authors' code runs torch NAdamW with
+  ``beta1 = 0.99`` and no wrapper: that is ``correction="none"`` around ``torch.optim.NAdam``.)
+
+**Switches.** *Start* (entering step ``K_s``): the pipeline begins to fill, nothing is in flight, so every
+stash slot is set to ``x_{K_s}`` and the EF buffers to 0. *Cooldown* (entering step ``T - K_c``): the
+pipeline drains; the stash is freed and EF's pending corrections are **flushed**,
+``x <- x + beta * sum_{j=t-d}^{t-1} u_j`` (i.e. ``x <- z``): every update then counts exactly once
+(``x_T = x_0 - sum_t u_t`` for ``beta = 1``) instead of leaving ``beta`` times the last ``d`` updates applied
+twice; it is local to each stage, so a real pipeline does the same. Nesterov's ``b`` is not in-flight state
+and carries over. Switches run eagerly at the end of ``step()`` (and in ``__init__``), so the state between
+two steps, the one a checkpoint captures, is always the one the next step starts from.
+
+**Memory.** Per parameter with ``d > 0`` in an asynchronous phase: a ring of ``d`` stashed versions
+(``x_j`` in slot ``j % d``) and, for EF, a ring of ``d`` updates (``u_j`` in slot ``j % d``, the optimizer's
+fresh update tensors kept by reference). ``x_{t-d}`` and ``u_{t-d}`` sit in slot ``t % d``, which is exactly
+where ``x_t`` and ``u_t`` go, so nothing else is allocated: ``x_{t+1}`` is written into the freed slot and
+swapped with the parameter's storage. Parameters change storage (``p.data``) at every step; ``p`` itself,
+its ``.grad`` and the inner optimizer's state keep their identity.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from bubblefree.errors import UserError
+from bubblefree.optim.base import UpdateOptimizer, apply_updates
+
+__all__ = ["CORRECTIONS", "DelayedOptimizer"]
+
+CORRECTIONS: tuple[str, ...] = ("none", "ef", "taylor", "nesterov")
+"""Values of ``delay.correction``."""
+
+
+def _check_int(name: str, value: Any, *, low: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"Invalid {name}: {value!r} (must be an integer >= {low})")
+    return value
+
+
+class DelayedOptimizer:
+    """Wrap ``optimizer`` so each parameter's gradient is taken at its stale weights ``x_{t-d_p}`` (see module doc).
+
+    Args:
+        optimizer: an :class:`~bubblefree.optim.base.UpdateOptimizer` (any correction) or any plain
+            ``torch.optim.Optimizer`` (``"none"`` and ``"taylor"`` only: its ``step()`` runs on the current
+            weights with the stale gradient).
+        delays: one delay for every parameter, or one per parameter in the optimizer's flattened
+            ``param_groups`` order (``schedules.parameter_delays``).
+        correction: one of :data:`CORRECTIONS`.
+        ef_beta: EF coefficient in ``[0, 1]``: 1 is the paper's rule, 0 the plain delay; above 1 the
+            weights would run ahead of the virtual iterate by more than the updates in flight.
+        taylor_lambda: DC-ASGD coefficient ``>= 0``.
+        nesterov_gamma: Nesterov momentum in ``[0, 1)`` (0.99 in Ajanthan et al.).
+        sync_start_steps, sync_cooldown_steps: ``K_s``, ``K_c`` (``K_c > 0`` needs ``total_steps``).
+        total_steps: ``T``, the run length.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, delays: int | Sequence[int] = 0,
+                 correction: str = "none", ef_beta: float = 1.0, taylor_lambda: float = 0.0,
+                 nesterov_gamma: float = 0.99, sync_start_steps: int = 0, sync_cooldown_steps: int = 0,
+                 total_steps: int | None = None) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ValueError(f"Invalid optimizer: {type(optimizer).__name__} (expected a torch.optim.Optimizer)")
+        if correction not in CORRECTIONS:
+            raise ValueError(f"Invalid correction: {correction!r} (expected one of {', '.join(CORRECTIONS)})")
+        if correction in ("ef", "nesterov") and not isinstance(optimizer, UpdateOptimizer):
+            raise ValueError(f"Invalid correction: {correction!r} needs an UpdateOptimizer (its update u_t before "
+                             f"it is applied), got {type(optimizer).__name__}")
+        if not 0.0 <= ef_beta <= 1.0:
+            raise ValueError(f"Invalid ef_beta: {ef_beta} (must be in [0, 1])")
+        if not 0.0 <= taylor_lambda < float("inf"):
+            raise ValueError(f"Invalid taylor_lambda: {taylor_lambda} (must be >= 0)")
+        if not 0.0 <= nesterov_gamma < 1.0:
+            raise ValueError(f"Invalid nesterov_gamma: {nesterov_gamma} (must be in [0, 1))")
+        if total_steps is not None:
+            _check_int("total_steps", total_steps)
+        for name, k in (("sync_start_steps", sync_start_steps), ("sync_cooldown_steps", sync_cooldown_steps)):
+            _check_int(name, k)
+            if total_steps is not None and k > total_steps:
+                raise ValueError(f"Invalid {name}: {k} (larger than total_steps = {total_steps})")
+        if sync_cooldown_steps > 0 and total_steps is None:
+            raise ValueError(f"Invalid sync_cooldown_steps: {sync_cooldown_steps} (needs total_steps)")
+        self.optimizer = optimizer
+        self._params: list[Tensor] = [p for g in optimizer.param_groups for p in g["params"]]
+        n = len(self._params)
+        if isinstance(delays, int) and not isinstance(delays, bool):
+            delays = [delays] * n
+        delays = list(delays)
+        if len(delays) != n:
+            raise ValueError(f"Invalid delays: {len(delays)} entries for {n} optimizer parameters")
+        for i, d in enumerate(delays):
+            _check_int(f"delays[{i}]", d)
+        self.delays: list[int] = delays
+        self.correction = correction
+        self.ef_beta = float(ef_beta)
+        self.taylor_lambda = float(taylor_lambda)
+        self.nesterov_gamma = float(nesterov_gamma)
+        self.sync_start_steps = sync_start_steps
+        self.sync_cooldown_steps = sync_cooldown_steps
+        self.total_steps = total_steps
+        self._t = 0
+        self._filled = False  # stash (and EF rings) allocated: an asynchronous phase is running
+        self._stash: list[list[Tensor] | None] = [None] * n
+        self._ef: list[list[Tensor | None] | None] = [None] * n
+        self._momentum: list[Tensor | None] = [None] * n
+        self._switch_phase()
+
+    # ----------------------------------------------------------------------------------------- phases
+    @property
+    def step_count(self) -> int:
+        """``t``: the number of steps taken; the next ``step()`` computes ``x_{t+1}``."""
+        return self._t
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The inner optimizer's param groups (for learning-rate schedules)."""
+        return self.optimizer.param_groups
+
+    def is_async(self, step: int | None = None) -> bool:
+        """Whether step ``step`` (default: the next one) runs with the configured delays."""
+        step = self._t if step is None else step
+        end = float("inf") if self.total_steps is None else self.total_steps - self.sync_cooldown_steps
+        return self.sync_start_steps <= step < end
+
+    def effective_delays(self) -> list[int]:
+        """Each parameter's delay for the next step: the configured one, or 0 in a synchronous phase."""
+        return list(self.delays) if self._filled else [0] * len(self.delays)
+
+    @torch.no_grad()
+    def _switch_phase(self) -> None:
+        if self.is_async() and not self._filled:  # pipeline fills: every stashed version is x_t, no update in flight
+            for i, (p, d) in enumerate(zip(self._params, self.delays)):
+                if d > 0:
+                    self._stash[i] = [p.detach().clone() for _ in range(d)]
+                    self._ef[i] = [None] * d if self.correction == "ef" else None
+            self._filled = True
+        elif not self.is_async() and self._filled:  # pipeline drains: flush EF (x <- z), free the stash
+            for i, p in enumerate(self._params):
+                for u in self._ef[i] or []:
+                    if u is not None:
+                        p.add_(u.to(p.dtype), alpha=self.ef_beta)
+                self._stash[i] = self._ef[i] = None
+            self._filled = False
+
+    # ------------------------------------------------------------------------------- stale versions
+    def stale_tensors(self, ahead: int = 0) -> list[Tensor]:
+        """The tensors holding ``x_{t+ahead-d_p}`` for every parameter (the live parameter where that is ``x_t``).
+
+        ``ahead`` lets a pipeline run forwards of a later step before this step's update (``0 <= ahead <=
+        d_p`` for every parameter). Aliasing: the returned tensors are stash slots (or the parameters) and
+        stay valid only until the next ``step()``, which writes ``x_{t+1}`` into slot ``t % d`` and swaps
+        storages; clone what must outlive it. Do not modify them.
+        """
+        out = []
+        for i, (p, d) in enumerate(zip(self._params, self.effective_delays())):
+            if not 0 <= ahead <= d:
+                raise ValueError(f"Invalid ahead: {ahead} (parameter {i} has delay {d} at step {self._t})")
+            out.append(p if ahead == d else self._stash[i][(self._t + ahead) % d])
+        return out
+
+    @contextmanager
+    def stale_params(self, ahead: int = 0) -> Iterator[None]:
+        """Inside, every parameter holds ``x_{t+ahead-d_p}`` (storage swapped in, no copy; restored on exit).
+
+        Run the forward and backward inside: gradients land in ``p.grad`` as usual. Do not step inside.
+        """
+        swapped: list[tuple[Tensor, Tensor]] = []
+        try:
+            for p, s in zip(self._params, self.stale_tensors(ahead)):
+                if s is not p:
+                    swapped.append((p, p.data))
+                    p.data = s
+            yield
+        finally:
+            for p, live in swapped:
+                p.data = live
+
+    # ------------------------------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self) -> None:
+        """Apply ``u_t`` computed from the gradients in ``p.grad`` (taken at ``x_{t-d}``), with the correction.
+
+        With ``"taylor"`` the gradients are replaced in place by the compensated ones first.
+        """
+        t, delays = self._t, self.effective_delays()
+        slot = [t % d if d else -1 for d in delays]
+        delayed = [i for i, d in enumerate(delays) if d > 0]
+        if self.correction == "taylor" and self.taylor_lambda > 0:
+            live = [i for i in delayed if self._params[i].grad is not None]
+            if live:
+                grads = [self._params[i].grad for i in live]
+                diff = torch._foreach_sub([self._params[i] for i in live],
+                                          [self._stash[i][slot[i]] for i in live])
+                torch._foreach_mul_(diff, grads)
+                torch._foreach_addcmul_(grads, diff, grads, value=self.taylor_lambda)
+        if isinstance(self.optimizer, UpdateOptimizer):
+            self._apply(self.optimizer.compute_updates(), delays, slot)
+        else:  # plain torch optimizer: x_t goes into the freed slot, then it steps the live weights
+            for i in delayed:
+                self._stash[i][slot[i]].copy_(self._params[i])
+            self.optimizer.step()
+        self._t += 1
+        self._switch_phase()
+
+    def _apply(self, updates: list[Tensor | None], delays: list[int], slot: list[int]) -> None:
+        if self.correction == "nesterov":
+            self._apply_nesterov(updates, delays, slot)
+            return
+        # x_{t+1} = x_t - c u_t + beta u_{t-d}: c = 1 + beta with EF (u_{t-d} in slot t % d), else c = 1
+        ef = self.correction == "ef"
+        fresh = [(p, u) for p, u, d in zip(self._params, updates, delays) if d == 0]
+        apply_updates([p for p, _ in fresh], [u for _, u in fresh])  # d = 0: EF's correction is u_t - u_t = 0
+        for i, (p, u, d) in enumerate(zip(self._params, updates, delays)):
+            if d == 0:
+                continue
+            new = self._stash[i][slot[i]]
+            if u is None:
+                new.copy_(p)
+            else:
+                torch.add(p, u.to(p.dtype), alpha=-(1.0 + self.ef_beta) if ef else -1.0, out=new)
+            if ef:
+                old = self._ef[i][slot[i]]
+                if old is not None:
+                    new.add_(old.to(p.dtype), alpha=self.ef_beta)
+                self._ef[i][slot[i]] = u
+            self._stash[i][slot[i]] = p.data  # x_t stays in the slot, x_{t+1} becomes the parameter
+            p.data = new
+
+    def _apply_nesterov(self, updates: list[Tensor | None], delays: list[int], slot: list[int]) -> None:
+        gamma = self.nesterov_gamma
+        for i, (p, u, d) in enumerate(zip(self._params, updates, delays)):
+            b = self._momentum[i]
+            if u is not None:  # b_{t+1} = gamma b_t + (1 - gamma) u_t   (b_0 = 0)
+                b = u.mul(1.0 - gamma) if b is None else b.mul_(gamma).add_(u, alpha=1.0 - gamma)
+                self._momentum[i] = b
+            new = p if d == 0 else self._stash[i][slot[i]]
+            if d > 0:
+                new.copy_(p)
+            if u is not None:  # y_{t+1} = y_t - (1 - gamma) u_t - gamma b_{t+1}
+                new.add_(u.to(p.dtype), alpha=-(1.0 - gamma))
+            if b is not None:
+                new.add_(b.to(p.dtype), alpha=-gamma)
+            if d > 0:
+                self._stash[i][slot[i]] = p.data
+                p.data = new
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    # ----------------------------------------------------------------------------------- bookkeeping
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes held by the wrapper (not the model or the inner optimizer): stash, EF and Nesterov buffers."""
+        def size(tensors: Sequence[Tensor | None] | None) -> int:
+            return sum(x.numel() * x.element_size() for x in tensors or [] if x is not None)
+
+        return {"stash": sum(map(size, self._stash)), "ef": sum(map(size, self._ef)), "nesterov": size(self._momentum)}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Inner optimizer state, counters, stash rings, EF rings and Nesterov buffers (by reference, like torch)."""
+        return {"inner": self.optimizer.state_dict(), "step": self._t, "filled": self._filled,
+                "delays": list(self.delays), "correction": self.correction,
+                "stash": {i: list(r) for i, r in enumerate(self._stash) if r is not None},
+                "ef": {i: list(r) for i, r in enumerate(self._ef) if r is not None},
+                "momentum": {i: b for i, b in enumerate(self._momentum) if b is not None}}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (copied, so ``state`` may be reused); the model weights load separately."""
+        for key in ("delays", "correction"):
+            if state[key] != getattr(self, key):
+                raise UserError(f"checkpoint has {key} = {state[key]}, this run has {getattr(self, key)}")
+        self.optimizer.load_state_dict(state["inner"])
+        self._t, self._filled = int(state["step"]), bool(state["filled"])
+        n = len(self._params)
+        own = lambda x, p: None if x is None else x.to(device=p.device, copy=True)  # noqa: E731
+        self._stash = [None] * n
+        self._ef = [None] * n
+        self._momentum = [None] * n
+        for i, ring in state["stash"].items():
+            self._stash[int(i)] = [own(x, self._params[int(i)]).to(self._params[int(i)].dtype) for x in ring]
+        for i, ring in state["ef"].items():
+            self._ef[int(i)] = [own(u, self._params[int(i)]) for u in ring]
+        for i, b in state["momentum"].items():
+            self._momentum[int(i)] = own(b, self._params[int(i)])
+        self._switch_phase()  # a run resumed with another total_steps may have to fill or drain now
