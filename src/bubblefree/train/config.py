@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,8 +46,9 @@ __all__ = [
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    preset: str = "tiny"
-    """Model preset name (see ``bubblefree.models.PRESETS``): tiny, small, medium, moe-tiny, smollm2-135m, ..."""
+    preset: str = "llama-5m"
+    """Model preset name (see ``bubblefree.models.PRESETS``): llama-1m, llama-5m, llama-20m, moe-20m,
+    smollm2-135m, smollm2-360m, ... (llama-5m with a 4096 vocabulary is the 3.3M model of DESIGN.md section 7)."""
 
     vocab_size: int = 0
     """Vocabulary size; 0 takes the tokenizer's."""
@@ -63,8 +63,8 @@ class DataConfig:
     tokenizer: str = "bpe"
     """``bpe`` (byte-level BPE trained on first use and cached) or ``byte`` (256 symbols, needs nothing)."""
 
-    vocab_size: int = 8192
-    """BPE vocabulary size."""
+    vocab_size: int = 4096
+    """BPE vocabulary size (4096 as in the CPU prototype of DESIGN.md section 7)."""
 
     cache_dir: str = ""
     """Where tokenizers and token streams are cached; empty means ``$BUBBLEFREE_CACHE`` or ``~/.cache/bubblefree``."""
@@ -311,7 +311,9 @@ def _toml_value(value: Any) -> str:
         return repr(value) if math.isfinite(value) else ("nan" if math.isnan(value) else
                                                         ("inf" if value > 0 else "-inf"))
     assert isinstance(value, str), value
-    return json.dumps(value)  # a JSON string is a valid TOML basic string (\\uXXXX escapes included)
+    # A TOML basic string: escape the quote, the backslash and the control characters, keep the rest as is.
+    return '"' + "".join(f"\\u{ord(c):04x}" if ord(c) < 0x20 or ord(c) == 0x7F else "\\" + c if c in '"\\'
+                         else c for c in value) + '"'
 
 
 def dump_toml(config: Config) -> str:

@@ -27,7 +27,7 @@ from bubblefree.data import eval_batches, get_batch
 from bubblefree.delay import DelayedOptimizer
 from bubblefree.models.split import param_stages
 from bubblefree.optim import build_optimizer, clip_stage_grads, set_lr_scale
-from bubblefree.schedules import stage_delays
+from bubblefree.schedules.delays import n_partitions, parameter_delays
 from bubblefree.train.config import Config
 from bubblefree.train.executor import StepStats
 
@@ -61,15 +61,17 @@ class SimExecutor:
             else contextlib.nullcontext
 
         self.optimizer = build_optimizer(model, config.optim)
-        n_stages = config.pipeline.stages
+        # WPipe cuts the model into 2P partitions, device s holding partitions s and s+P; every other
+        # schedule has one partition per stage. Delays follow partitions, clipping follows devices.
+        schedule, n_stages = config.pipeline.schedule, config.pipeline.stages
+        partition_of = param_stages(model, n_partitions(schedule, n_stages))
+        delays = parameter_delays(model, self.optimizer, schedule, n_stages, partition_of)
         names = {id(p): name for name, p in model.named_parameters()}
-        stage_of_name = param_stages(model, n_stages)
-        params = self.optimizer.params()
-        stage_of = [stage_of_name[names[id(p)]] for p in params]
-        delays = stage_delays(config.pipeline.schedule, n_stages)
-        self.stage_params = [[p for p, s in zip(params, stage_of) if s == stage] for stage in range(n_stages)]
+        device_of = [partition_of[names[id(p)]] % n_stages for p in self.optimizer.params()]
+        self.stage_params = [[p for p, s in zip(self.optimizer.params(), device_of) if s == stage]
+                             for stage in range(n_stages)]
         self.delayed = DelayedOptimizer(
-            self.optimizer, delays=[delays[s] for s in stage_of], correction=config.delay.correction,
+            self.optimizer, delays=delays, correction=config.delay.correction,
             ef_beta=config.delay.ef_beta, taylor_lambda=config.delay.taylor_lambda,
             sync_start_steps=config.delay.sync_start_steps,
             sync_cooldown_steps=config.delay.sync_cooldown_steps, total_steps=config.train.steps)
@@ -106,9 +108,9 @@ class SimExecutor:
         """Mean cross-entropy over ``train.eval_batches`` fixed validation batches at the current weights."""
         cfg = self.config.train
         self.model.eval()
-        losses = [self._loss(x.to(self.device), y.to(self.device))
-                  for x, y in eval_batches(self.data.val, n_batches=cfg.eval_batches,
-                                           batch_size=cfg.batch_size, seq_len=cfg.seq_len)]
+        losses = [self._loss(x, y) for x, y in eval_batches(self.data.val, n_batches=cfg.eval_batches,
+                                                             batch_size=cfg.batch_size, seq_len=cfg.seq_len,
+                                                             device=self.device)]
         return float(torch.stack(losses).mean())
 
     def state_dict(self) -> dict[str, Any]:

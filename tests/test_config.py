@@ -1,0 +1,148 @@
+"""Run configuration: presets, TOML round trip, precedence, typed --set overrides, validation."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tomllib
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bubblefree.errors import UserError
+from bubblefree.train.config import (Config, apply_overrides, config_diff, config_from_dict, dump_toml,
+                                     field_docs, load_config, parse_override, validate)
+from bubblefree.train.presets import PRESETS
+
+
+def roundtrip(config: Config) -> Config:
+    return config_from_dict(tomllib.loads(dump_toml(config)))
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_preset_round_trips_through_toml(name):
+    config = PRESETS[name]()
+    assert roundtrip(config) == config
+    assert config_diff(roundtrip(config), config) == {}
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=st.text(max_size=40), lr=st.floats(allow_nan=False, allow_infinity=False), seed=st.integers(0, 2**62),
+       flag=st.booleans())
+def test_toml_writer_round_trips_any_scalar(text, lr, seed, flag):
+    # Strings with quotes, backslashes, control and non-ASCII characters; floats of any magnitude (exact repr).
+    config = apply_overrides(Config(), {"data.cache_dir": text, "optim.lr": lr, "train.seed": seed,
+                                        "log.progress": flag})
+    back = roundtrip(config)
+    assert back.data.cache_dir == text and back.train.seed == seed and back.log.progress is flag
+    assert math.copysign(1, back.optim.lr) == math.copysign(1, lr) and back.optim.lr == lr
+
+
+def test_precedence_preset_then_toml_then_set(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('[train]\nsteps = 7\n\n[optim]\nlr = 0.5\nname = "adamw"\n')
+    config = load_config("smoke", path, ["optim.lr=0.25", "pipeline.schedule=sync"])
+    smoke = PRESETS["smoke"]()
+    assert config.train.steps == 7  # TOML over the preset
+    assert config.optim.lr == 0.25 and config.optim.name == "adamw"  # --set over TOML; TOML over the preset
+    assert config.pipeline.schedule == "sync"
+    assert config.model.preset == smoke.model.preset and config.train.seq_len == smoke.train.seq_len
+    assert load_config() == validate(PRESETS["demo"]())  # bare run = demo
+
+
+@pytest.mark.parametrize("text, key, value", [
+    ("optim.lr=3e-4", "optim.lr", 3e-4), ("optim.lr=3", "optim.lr", 3.0), ("train.steps=12", "train.steps", 12),
+    ("log.progress=false", "log.progress", False), ("log.tensorboard=Yes", "log.tensorboard", True),
+    ("data.source= /some/path ", "data.source", "/some/path"), ("optim.name=adamw", "optim.name", "adamw"),
+])
+def test_set_parses_to_the_field_type(text, key, value):
+    parsed_key, parsed = parse_override(Config(), text)
+    assert (parsed_key, parsed) == (key, value) and type(parsed) is type(value)
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("train.steps=1.5", "int"), ("train.steps=ten", "int"), ("optim.lr=fast", "float"),
+    ("log.progress=maybe", "bool"), ("train.seed=", "int"),
+])
+def test_set_rejects_wrong_types_naming_key_value_and_type(text, expected):
+    key, _, raw = text.partition("=")
+    with pytest.raises(UserError) as info:
+        parse_override(Config(), text)
+    message = str(info.value)
+    assert key in message and repr(raw) in message and f"expected {expected}" in message
+
+
+@pytest.mark.parametrize("text, fragments", [
+    ("optim.lrr=1", ["optim.lrr", "did you mean optim.lr", "adamw_lr", "weight_decay"]),
+    ("optimizer.lr=1", ["optimizer.lr", "did you mean 'optim'", "pipeline"]),
+    ("steps=3", ["steps", "sections"]),
+    ("train.steps", ["expected section.key=value"]),
+])
+def test_unknown_keys_list_the_valid_ones(text, fragments):
+    with pytest.raises(UserError) as info:
+        parse_override(Config(), text)
+    for fragment in fragments:
+        assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize("toml, fragment", [
+    ("[train]\nsteps = \"ten\"\n", "train.steps: 'ten' (expected int)"),
+    ("[train]\nsteps = true\n", "train.steps: True (expected int)"),  # bool is an int in Python, not here
+    ("[train]\nsteps = 2.0\n", "train.steps: 2.0 (expected int)"),
+    ("[log]\nprogress = 1\n", "log.progress: 1 (expected bool)"),
+    ("steps = 3\n", "top-level key 'steps'"),
+    ("[train]\nstep = 3\n", "did you mean train.steps"),
+    ("[train\nsteps = 3\n", "not valid TOML"),
+])
+def test_bad_toml_is_a_user_error(tmp_path, toml, fragment):
+    path = tmp_path / "bad.toml"
+    path.write_text(toml)
+    with pytest.raises(UserError) as info:
+        load_config(None, path)
+    assert fragment in str(info.value)
+
+
+def test_int_in_toml_is_fine_for_a_float_field(tmp_path):
+    path = tmp_path / "ok.toml"
+    path.write_text("[optim]\nlr = 1\n")
+    lr = load_config(None, path).optim.lr
+    assert lr == 1.0 and type(lr) is float
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        load_config(None, tmp_path / "nope.toml")
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("train.steps=0", "train.steps: 0 (must be > 0)"),
+    ("train.batch_size=-4", "train.batch_size: -4 (must be > 0)"),
+    ("train.seq_len=0", "train.seq_len: 0"),
+    ("pipeline.stages=0", "pipeline.stages: 0"),
+    ("pipeline.microbatches=-1", "pipeline.microbatches: -1"),
+    ("train.eval_every=-1", "train.eval_every: -1 (must be >= 0)"),
+    ("optim.lr=-0.1", "optim.lr: -0.1"),
+    ("optim.lr=nan", "optim.lr: nan (must be finite)"),
+    ("train.warmup_frac=1.5", "train.warmup_frac: 1.5 (must be in [0, 1])"),
+    ("optim.momentum=1.0", "optim.momentum: 1.0"),
+    ("pipeline.schedule=zb", "pipeline.schedule: 'zb' (choose from sync, gpipe"),
+    ("pipeline.runtime=mpi", "pipeline.runtime: 'mpi'"),
+    ("delay.correction=magic", "delay.correction: 'magic'"),
+    ("optim.name=sgd", "optim.name: 'sgd' (choose from adamw, muon"),
+    ("data.tokenizer=wordpiece", "data.tokenizer"),
+    ("pipeline.microbatches=3", "train.batch_size: 16 (must be divisible by pipeline.microbatches = 3)"),
+])
+def test_validate_names_the_bad_key(override, fragment):
+    with pytest.raises(UserError) as info:
+        load_config("demo", None, [override])
+    assert fragment in str(info.value)
+
+
+def test_every_field_is_documented_and_typed():
+    docs = field_docs()
+    assert list(docs) == [f.name for f in dataclasses.fields(Config)]
+    for section, rows in docs.items():
+        for key, type_name, default, doc in rows:
+            assert doc, f"{section}.{key} has no docstring"
+            assert type(default).__name__ == type_name, (section, key)
