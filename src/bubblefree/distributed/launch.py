@@ -1,0 +1,185 @@
+"""Start the processes of a pipeline run and make any failure end all of them, naming the rank and cause.
+
+* :func:`launch_local` spawns ``nprocs`` processes on 127.0.0.1 (a free port, ``gloo`` on CPU, ``nccl``
+  with one GPU per process) and monitors them: when one exits non-zero the others are killed and a
+  :class:`PipelineFailure` names the rank that failed first and why.
+* :func:`run_worker` is the body of one process, also used under ``torchrun`` (``python -m
+  bubblefree.distributed``): global rank 0 runs the ordinary training loop (``bubblefree.train.train``) with a
+  :class:`~bubblefree.distributed.executor.DistributedExecutor`; the other ranks run :func:`follow`, the
+  same sequence of steps, evaluations and checkpoints without the logging.
+* Every rank that fails writes ``<run>/errors/rank<r>.json`` before exiting; a watchdog thread in every rank
+  polls that folder and exits (code 1, printing the failed rank and its cause) as soon as another rank's
+  file appears, so no rank waits for its point-to-point timeout when a peer raised.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+from bubblefree.train.config import Config
+
+__all__ = ["PipelineFailure", "follow", "launch_local", "run_worker"]
+
+ERRORS_DIR = "errors"
+
+
+class PipelineFailure(RuntimeError):
+    """A rank of a pipeline run failed; the message names it and the cause."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _write_error(out_dir: Path, rank: int, exc: BaseException) -> None:
+    from bubblefree.distributed.p2p import PeerFailure
+
+    folder = out_dir / ERRORS_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    record = {"rank": rank, "cause": f"{type(exc).__name__}: {exc}", "time": time.time(),
+              "peer": exc.peer if isinstance(exc, PeerFailure) else None,
+              "traceback": "".join(traceback.format_exception(exc))[-4000:]}
+    tmp = folder / f".rank{rank}.tmp"
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, folder / f"rank{rank}.json")
+
+
+def read_errors(out_dir: Path) -> list[dict]:
+    """Error records the ranks wrote, earliest first."""
+    folder = out_dir / ERRORS_DIR
+    records = [json.loads(p.read_text()) for p in folder.glob("rank*.json")] if folder.is_dir() else []
+    return sorted(records, key=lambda r: r["time"])
+
+
+def root_cause(out_dir: Path) -> str | None:
+    """One line naming the rank that failed first: a rank's own error beats the peers that saw it vanish."""
+    records = read_errors(out_dir)
+    own = [r for r in records if r["peer"] is None]
+    if own:
+        return f"rank {own[0]['rank']} failed: {own[0]['cause']}"
+    if records:
+        return f"rank {records[0]['peer']} died (seen by rank {records[0]['rank']}: {records[0]['cause']})"
+    return None
+
+
+def _watchdog(out_dir: Path, rank: int, period_s: float = 1.0) -> None:
+    def watch() -> None:
+        while True:
+            time.sleep(period_s)
+            others = [r for r in read_errors(out_dir) if r["rank"] != rank]
+            if others:
+                print(f"bubblefree: rank {rank} stops because {root_cause(out_dir)}", file=sys.stderr, flush=True)
+                os._exit(1)
+
+    threading.Thread(target=watch, name="bubblefree-watchdog", daemon=True).start()
+
+
+def follow(config: Config, *, out_dir: Path, resume: bool = False) -> None:
+    """A non-logging rank: the training loop's sequence of steps, evaluations and checkpoints (same rules
+    as ``bubblefree.train.loop.train``: evaluate after the last step and every ``eval_every`` steps,
+    checkpoint after the last step and every ``ckpt_every`` steps)."""
+    import random
+
+    import numpy as np
+
+    from bubblefree.data import load_tokens
+    from bubblefree.distributed.executor import DistributedExecutor
+    from bubblefree.models import build_model
+    from bubblefree.optim.schedule import lr_scale
+
+    cfg = config.train
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    data = load_tokens(config.data)
+    model = build_model(config.model.preset, vocab_size=config.model.vocab_size or data.vocab_size)
+    executor = DistributedExecutor(config, model, data, out_dir=out_dir)
+    if resume:
+        executor.load_state_dict({})
+    for step in range(executor.stage.updates_done, cfg.steps):
+        executor.train_step(step, lr_scale(step, cfg.steps, warmup_frac=cfg.warmup_frac, min_lr_frac=cfg.min_lr_frac))
+        done = step + 1
+        last = done == cfg.steps
+        if last or (cfg.eval_every > 0 and done % cfg.eval_every == 0):
+            executor.evaluate()
+        if last or (cfg.ckpt_every > 0 and done % cfg.ckpt_every == 0):
+            executor.state_dict()
+    executor.close()
+
+
+def run_worker(config: Config, *, out_dir: str | Path, resume: bool = False) -> None:
+    """Body of one process of a run (environment from torchrun or :func:`launch_local`)."""
+    import torch.distributed as dist
+
+    out_dir = Path(out_dir)
+    rank = int(os.environ["RANK"])
+    os.environ["BUBBLEFREE_RUN_DIR"] = str(out_dir)
+    _watchdog(out_dir, rank)
+    try:
+        _maybe_fault(rank, when="start")
+        if rank == 0:
+            from bubblefree.train.loop import train
+
+            train(config, out_dir=out_dir, resume=resume)
+        else:
+            follow(config, out_dir=out_dir, resume=resume)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except BaseException as exc:
+        _write_error(out_dir, rank, exc)
+        raise
+
+
+def _maybe_fault(rank: int, *, when: str | int) -> None:
+    """Fault drills: ``BUBBLEFREE_FAULT=RANK:STEP:raise|kill`` fails that rank when it starts that step."""
+    spec = os.environ.get("BUBBLEFREE_FAULT", "")
+    if not spec:
+        return
+    f_rank, f_step, kind = spec.split(":")
+    if int(f_rank) == rank and f_step == str(when):
+        if kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise RuntimeError(f"injected fault at step {when}")
+
+
+def _spawned(index: int, config: Config, out_dir: str, nprocs: int, port: int, resume: bool, threads: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(index), LOCAL_RANK=str(index),
+                      WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs))
+    torch.set_num_threads(threads)
+    run_worker(config, out_dir=out_dir, resume=resume)
+
+
+def launch_local(config: Config, out_dir: str | Path, nprocs: int | None = None, *, resume: bool = False) -> None:
+    """Run ``config`` with ``nprocs`` local processes (default ``pipeline.stages``; a multiple of it gives
+    ``nprocs / P`` data-parallel replicas). Raises :class:`PipelineFailure` naming the first failed rank."""
+    nprocs = nprocs or config.pipeline.stages
+    if nprocs < 1 or nprocs % config.pipeline.stages:
+        raise ValueError(f"Invalid nprocs: {nprocs} (must be a multiple of pipeline.stages = {config.pipeline.stages})")
+    out_dir = Path(out_dir)
+    threads = max(1, (os.cpu_count() or 1) // nprocs)
+    ctx = mp.start_processes(_spawned, args=(config, str(out_dir), nprocs, _free_port(), resume, threads),
+                             nprocs=nprocs, join=False, start_method="spawn")
+    try:
+        while not ctx.join(timeout=1.0):
+            pass
+    except mp.ProcessException as exc:  # join() has already terminated the other processes
+        cause = root_cause(out_dir) or str(exc).strip().splitlines()[-1]
+        if isinstance(exc, mp.ProcessExitedException) and exc.signal_name and root_cause(out_dir) is None:
+            cause = f"rank {exc.error_index} was killed by {exc.signal_name}"
+        elif isinstance(exc, mp.ProcessExitedException) and exc.signal_name:
+            cause = f"rank {exc.error_index} was killed by {exc.signal_name}" \
+                if not any(r["peer"] is None for r in read_errors(out_dir)) else cause
+        raise PipelineFailure(cause) from None

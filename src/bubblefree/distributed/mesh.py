@@ -1,0 +1,79 @@
+"""Process groups of a data x pipeline mesh: which replica and stage each rank runs.
+
+Ranks are laid out pipeline-major, ``rank = replica * P + stage``, so the ``P`` stages of one replica are
+neighbours (on one node when a node holds a whole pipeline, which keeps the point-to-point traffic local)
+and the ``R`` copies of one stage form the data-parallel group whose gradients are all-reduced.
+The backend is ``nccl`` when CUDA is available (device ``cuda:LOCAL_RANK``), else ``gloo`` on the CPU.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Mesh", "init_mesh", "rank_coords"]
+
+
+def rank_coords(rank: int, *, stages: int) -> tuple[int, int]:
+    """``(replica, stage)`` of a global rank in the pipeline-major layout."""
+    return divmod(rank, stages)
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """This process's place in the mesh and the groups it talks through."""
+
+    rank: int
+    world_size: int
+    stages: int
+    replicas: int
+    replica: int
+    stage: int
+    device: torch.device
+    pp_group: dist.ProcessGroup
+    """The ``P`` ranks of this replica (the stock schedules need a group whose rank is the stage index)."""
+    dp_group: dist.ProcessGroup | None
+    """The ``R`` ranks holding this stage (None when ``R = 1``)."""
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.stages - 1
+
+    def global_rank(self, stage: int) -> int:
+        """Global rank of ``stage`` in this replica: the peer of point-to-point messages."""
+        return self.replica * self.stages + stage
+
+
+def init_mesh(*, stages: int, timeout_s: float, backend: str = "auto") -> Mesh:
+    """Join the process group described by the torchrun environment (``RANK``, ``WORLD_SIZE``, ``MASTER_*``).
+
+    ``timeout_s`` bounds every collective and point-to-point wait, so a vanished peer ends the run instead
+    of hanging it.
+    """
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if stages < 1 or world % stages:
+        raise ValueError(f"Invalid pipeline.stages: {stages} (the {world} processes must be a multiple of it)")
+    replicas = world // stages
+    replica, stage = rank_coords(rank, stages=stages)
+    # Every rank must create every group, in the same order.
+    pp_groups = [dist.new_group([r * stages + s for s in range(stages)]) for r in range(replicas)]
+    dp_groups = [dist.new_group([r * stages + s for r in range(replicas)]) for s in range(stages)]
+    return Mesh(rank=rank, world_size=world, stages=stages, replicas=replicas, replica=replica, stage=stage,
+                device=device, pp_group=pp_groups[replica], dp_group=dp_groups[stage] if replicas > 1 else None)

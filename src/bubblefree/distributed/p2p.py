@@ -1,0 +1,75 @@
+"""Point-to-point transfers between neighbouring stages, on public ``torch.distributed`` calls only.
+
+Sends are asynchronous (``dist.isend``; the tensor is kept alive until the send completes); receives
+block, with the process group's timeout. Activations carry a small header (rank and shape, dtype code)
+before the payload so a stage needs no example shapes (training microbatches, whole-batch PipeDream
+units and evaluation batches differ in shape); gradients have the shape of the activation they answer,
+which the receiver knows. Any failure of a transfer is re-raised as :class:`PeerFailure` naming the peer,
+so the error that reaches the launcher says which rank vanished.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = ["P2P", "PeerFailure"]
+
+_MAX_DIMS = 6
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32]
+
+
+class PeerFailure(RuntimeError):
+    """A transfer with another rank failed or timed out: that rank most likely died or hung."""
+
+    def __init__(self, peer: int, what: str, cause: BaseException):
+        super().__init__(f"rank {peer} failed or vanished ({what}: {type(cause).__name__}: {cause})")
+        self.peer = peer
+
+
+class P2P:
+    """Ordered tensor streams between this rank and its pipeline neighbours (global ranks)."""
+
+    def __init__(self, device: torch.device, timeout_s: float):
+        self.device = device
+        self.timeout = timedelta(seconds=timeout_s)
+        self._pending: list[tuple[dist.Work, Tensor, int]] = []
+
+    def _wait(self, work: dist.Work, peer: int, what: str) -> None:
+        try:
+            work.wait(self.timeout)
+        except Exception as e:  # gloo raises RuntimeError on a closed connection or a timeout
+            raise PeerFailure(peer, what, e) from e
+
+    def send(self, tensor: Tensor, peer: int) -> None:
+        tensor = tensor.detach().contiguous()
+        self._pending.append((dist.isend(tensor, peer), tensor, peer))
+        if len(self._pending) > 64:  # bound the memory of tensors held for sends in flight
+            self.flush()
+
+    def recv(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype, peer: int) -> Tensor:
+        buf = torch.empty(shape, dtype=dtype, device=self.device)
+        self._wait(dist.irecv(buf, peer), peer, "recv")
+        return buf
+
+    def send_activation(self, tensor: Tensor, peer: int) -> None:
+        assert tensor.dim() <= _MAX_DIMS
+        header = torch.zeros(_MAX_DIMS + 2, dtype=torch.int64)
+        header[0], header[1] = tensor.dim(), _DTYPES.index(tensor.dtype)
+        header[2:2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+        self.send(header.to(self.device), peer)
+        self.send(tensor, peer)
+
+    def recv_activation(self, peer: int) -> Tensor:
+        header = self.recv((_MAX_DIMS + 2,), torch.int64, peer).tolist()
+        ndim, dtype = header[0], _DTYPES[header[1]]
+        return self.recv(tuple(header[2:2 + ndim]), dtype, peer)
+
+    def flush(self) -> None:
+        """Wait until every send issued so far has completed."""
+        pending, self._pending = self._pending, []
+        for work, _, peer in pending:
+            self._wait(work, peer, "send")

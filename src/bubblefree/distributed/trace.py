@@ -1,0 +1,42 @@
+"""Per-rank trace of every forward, backward and update: JSON lines with wall-clock start and end.
+
+One file per rank, ``<run>/trace/rank<r>.jsonl``; each line is
+``{"rank", "replica", "stage", "kind", "step", "unit", "start", "end"}`` with ``kind`` one of ``F``
+(forward), ``B`` (backward), ``U`` (optimizer update), ``E`` (evaluation forward), and times in seconds
+since the epoch (``time.time``), so ranks on one machine share a clock; a timeline subtracts the smallest
+start. Lines are buffered and written at every drain and at close.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+__all__ = ["Tracer"]
+
+
+class Tracer:
+    def __init__(self, path: Path | None, *, rank: int, replica: int, stage: int):
+        self.path = path
+        self._ids = {"rank": rank, "replica": replica, "stage": stage}
+        self._lines: list[str] = []
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("")
+
+    @contextmanager
+    def span(self, kind: str, *, step: int, unit: int = -1) -> Iterator[None]:
+        start = time.time()
+        yield
+        if self.path is not None:
+            self._lines.append(json.dumps({**self._ids, "kind": kind, "step": step, "unit": unit,
+                                           "start": start, "end": time.time()}))
+
+    def flush(self) -> None:
+        if self.path is not None and self._lines:
+            with self.path.open("a") as f:
+                f.write("\n".join(self._lines) + "\n")
+            self._lines.clear()
