@@ -63,6 +63,8 @@ def load_tokens(cfg: DataConfig) -> TokenData:
         if path.is_dir() and any(path.glob("*.bin")):
             train, val, vocab_size = load_shards(path)
             return TokenData(train, val, vocab_size, OpaqueTokenizer(vocab_size, str(path)), str(path))
+        if path.suffix == ".bin":
+            raise UserError(f"Data source {path} is a single .bin shard; point data.source at its folder")
     if cfg.tokenizer == "bpe":
         _check_bpe_vocab(cfg.vocab_size)
 
