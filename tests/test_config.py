@@ -126,11 +126,12 @@ def test_missing_config_file(tmp_path):
     ("optim.lr=nan", "optim.lr: nan (must be finite)"),
     ("train.warmup_frac=1.5", "train.warmup_frac: 1.5 (must be in [0, 1])"),
     ("optim.momentum=1.0", "optim.momentum: 1.0"),
-    ("pipeline.schedule=zb", "pipeline.schedule: 'zb' (choose from sync, gpipe"),
+    ("pipeline.schedule=zb", "pipeline.schedule: 'zb'; choose from sync, gpipe"),
     ("pipeline.runtime=mpi", "pipeline.runtime: 'mpi'"),
     ("delay.correction=magic", "delay.correction: 'magic'"),
-    ("optim.name=sgd", "optim.name: 'sgd' (choose from adamw, muon"),
+    ("optim.name=sgd", "optim.name: 'sgd'; choose from adamw, muon"),
     ("data.tokenizer=wordpiece", "data.tokenizer"),
+    ("model.preset=llama-2m", "model.preset: 'llama-2m' (did you mean 'llama-1m'?); choose from"),
     ("pipeline.microbatches=3", "train.batch_size: 16 (must be divisible by pipeline.microbatches = 3)"),
 ])
 def test_validate_names_the_bad_key(override, fragment):

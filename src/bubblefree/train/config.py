@@ -189,17 +189,26 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
 
 
-# Allowed values of the string keys with a fixed vocabulary (DESIGN.md section 6). Model presets are checked
-# against ``bubblefree.models.PRESETS`` instead, so a new model needs no edit here.
+# Allowed values of the string keys with a fixed vocabulary of this module (DESIGN.md section 6). Optimizer,
+# schedule, correction and model names are checked against the registries that own them (``_registries``), so
+# adding one there needs no edit here.
 CHOICES: dict[str, tuple[str, ...]] = {
     "data.tokenizer": ("bpe", "byte"),
-    "optim.name": ("adamw", "muon", "soap", "adan", "lion", "mars"),
     "train.device": ("auto", "cpu", "cuda"),
     "train.dtype": ("auto", "float32", "bfloat16"),
-    "pipeline.schedule": ("sync", "gpipe", "1f1b", "2bw", "pipedream", "wpipe"),
     "pipeline.runtime": ("sim", "distributed"),
-    "delay.correction": ("none", "ef", "taylor", "nesterov"),
 }
+
+
+def _registries() -> dict[str, tuple[str, ...]]:
+    from bubblefree.delay import CORRECTIONS
+    from bubblefree.models import PRESETS
+    from bubblefree.optim import OPTIMIZERS
+    from bubblefree.schedules.delays import SCHEDULES
+
+    return {"model.preset": tuple(PRESETS), "optim.name": tuple(OPTIMIZERS), "pipeline.schedule": SCHEDULES,
+            "delay.correction": tuple(CORRECTIONS)}
+
 
 # Keys that must be > 0 and keys that must be >= 0 (numbers); fractions must lie in [0, 1].
 _POSITIVE = ("data.vocab_size", "train.steps", "train.batch_size", "train.seq_len", "train.eval_batches",
@@ -346,9 +355,11 @@ def validate(config: Config) -> Config:
     for key, value in flat.items():
         if isinstance(value, float) and not math.isfinite(value):
             raise UserError(f"Invalid {key}: {value} (must be finite)")
-    for key, allowed in CHOICES.items():
+    for key, allowed in {**CHOICES, **_registries()}.items():
         if flat[key] not in allowed:
-            raise UserError(f"Invalid {key}: {flat[key]!r} (choose from {', '.join(allowed)})")
+            close = difflib.get_close_matches(str(flat[key]), allowed, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise UserError(f"Invalid {key}: {flat[key]!r}{hint}; choose from {', '.join(allowed)}")
     for key in _POSITIVE:
         if not flat[key] > 0:
             raise UserError(f"Invalid {key}: {flat[key]} (must be > 0)")
@@ -363,14 +374,6 @@ def validate(config: Config) -> Config:
     if config.train.batch_size % config.pipeline.microbatches:
         raise UserError(f"Invalid train.batch_size: {config.train.batch_size} (must be divisible by "
                         f"pipeline.microbatches = {config.pipeline.microbatches})")
-    try:
-        from bubblefree.models import PRESETS
-    except ImportError:  # the model registry has not landed; build_model will complain instead
-        PRESETS = None
-    if PRESETS is not None and config.model.preset not in PRESETS:
-        close = difflib.get_close_matches(config.model.preset, list(PRESETS), n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise UserError(f"Invalid model.preset: {config.model.preset!r}{hint}; presets: {', '.join(PRESETS)}")
     return config
 
 
