@@ -131,7 +131,7 @@ def test_missing_config_file(tmp_path):
     ("delay.correction=magic", "delay.correction: 'magic'"),
     ("optim.name=sgd", "optim.name: 'sgd'; choose from adamw, muon"),
     ("data.tokenizer=wordpiece", "data.tokenizer"),
-    ("model.preset=llama-2m", "model.preset: 'llama-2m' (did you mean 'llama-1m'?); choose from"),
+    ("model.preset=lama-5m", "model.preset: 'lama-5m' (did you mean 'llama-5m'?); choose from"),
     ("pipeline.microbatches=3", "train.batch_size: 16 (must be divisible by pipeline.microbatches = 3)"),
 ])
 def test_validate_names_the_bad_key(override, fragment):
