@@ -109,6 +109,8 @@ class DelayedOptimizer:
         n = len(self._params)
         if isinstance(delays, int) and not isinstance(delays, bool):
             delays = [delays] * n
+        if not isinstance(delays, Sequence):
+            raise ValueError(f"Invalid delays: {delays!r} (expected an integer or one integer per parameter)")
         delays = list(delays)
         if len(delays) != n:
             raise ValueError(f"Invalid delays: {len(delays)} entries for {n} optimizer parameters")
