@@ -134,6 +134,10 @@ class TrainConfig:
     dtype: str = "auto"
     """Compute dtype: ``auto`` (bf16 autocast on GPU, fp32 on CPU), ``float32`` or ``bfloat16``."""
 
+    threads: int = 0
+    """CPU threads for torch's kernels; 0 keeps torch's default (one per core). Tiny models run fastest on one
+    thread, and on a shared machine extra threads that wait for busy cores can make a step 100x slower."""
+
 
 @dataclass(kw_only=True)
 class PipelineConfig:
@@ -214,7 +218,7 @@ def _registries() -> dict[str, tuple[str, ...]]:
 _POSITIVE = ("data.vocab_size", "train.steps", "train.batch_size", "train.seq_len", "train.eval_batches",
              "train.log_every", "train.ckpt_keep", "pipeline.stages", "pipeline.microbatches")
 _NONNEGATIVE = ("model.vocab_size", "optim.lr", "optim.weight_decay", "optim.adamw_lr", "train.seed",
-                "train.grad_clip", "train.eval_every", "train.ckpt_every", "delay.ef_beta",
+                "train.grad_clip", "train.threads", "train.eval_every", "train.ckpt_every", "delay.ef_beta",
                 "delay.taylor_lambda", "delay.sync_start_steps", "delay.sync_cooldown_steps")
 _FRACTIONS = ("train.warmup_frac", "train.min_lr_frac")
 _SCALARS = {"int": int, "float": float, "bool": bool, "str": str}

@@ -144,7 +144,17 @@ def train(config: Config, *, out_dir: str | Path, resume: bool = False) -> dict[
     reported as a UserError before anything is written (a ValueError from the library while setting up is
     invalid input too: that is how the library reports bad arguments).
     """
-    out_dir, cfg = Path(out_dir), config.train
+    threads = torch.get_num_threads()
+    if config.train.threads:
+        torch.set_num_threads(config.train.threads)
+    try:
+        return _run(config, Path(out_dir), resume)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(config: Config, out_dir: Path, resume: bool) -> dict[str, Any]:
+    cfg = config.train
     try:
         executor, start, n_params, source = _build(config, out_dir, resume)
     except UserError:
