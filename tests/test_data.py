@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import lzma
+import os
 import re
 import shutil
 import sys
@@ -200,6 +201,9 @@ def test_atomic_write_never_replaces_an_existing_file(tmp_path):
     atomic_write(path, b"second")
     assert path.read_bytes() == b"first"
     assert [p.name for p in tmp_path.iterdir()] == ["f"]
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask  # readable like any file the user writes
 
 
 def test_cache_dir_resolution(monkeypatch, tmp_path):

@@ -16,7 +16,7 @@ import hashlib
 import io
 import json
 import os
-import tempfile
+import secrets
 from pathlib import Path
 
 import numpy as np
@@ -45,7 +45,9 @@ def atomic_write(path: Path, data: bytes) -> None:
     hashes, so both hold the same bytes, and an existing file is never replaced.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    # os.open with 0o666 honours the umask, as a plain open() would (mkstemp would force 0o600).
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
