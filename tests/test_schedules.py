@@ -2,6 +2,7 @@
 
 import pytest
 
+from bubblefree.schedules import stage_delays, weight_versions
 from bubblefree.schedules.ir import build_schedule
 from bubblefree.schedules.report import simulate_schedules
 from bubblefree.schedules.timeline import Costs, simulate
@@ -63,6 +64,15 @@ def test_derived_delays_versions_and_activations(P):
     assert pipedream.weight_versions() == [P - s for s in range(P)]
     for name in ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"):
         assert set(simulate(build_schedule(name, P, M, steps=T)).staleness()) == {0}
+
+
+@pytest.mark.parametrize("P", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "2bw", "pipedream"])
+def test_timeline_agrees_with_the_training_delay_table(name, P):
+    """The delays the training runs are the delays the schedule's timeline produces: one definition, checked."""
+    tl = simulate(build_schedule(name, P, 2 * P, steps=P + 2))
+    assert tl.staleness() == stage_delays(name, P)
+    assert tl.weight_versions() == weight_versions(name, P)
 
 
 def test_bad_input():
