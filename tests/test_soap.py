@@ -1,0 +1,238 @@
+"""SOAP (bubblefree.optim.soap) against pytorch-optimizer 4.1.0's SOAP and against a hand derivation.
+
+Every test draws a fresh seed from ``os.urandom`` and prints it on failure. Gradients are fresh random
+tensors, not functions of the parameters, so the optimizer state (GG, Q, exp_avg, exp_avg_sq) depends on
+the gradients alone: running the reference's floating-point operations on the same gradients must give
+the *same bits* of state, even where the eigenbasis is ambiguous (the null space of G G^T for a wide
+6 x 10 gradient). Only the write ``x - u`` rounds differently from the reference's ``(x - s N)(1 - lr wd)``.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from bubblefree.optim.base import apply_updates
+from bubblefree.optim.soap import SOAP
+
+pytorch_optimizer = pytest.importorskip("pytorch_optimizer")
+
+STEPS = 31
+PF = 3  # refreshes at k = 3, 6, ..., 30: ten QR power iterations in a run
+MAX_DIM = 32
+# Square, wide and tall (rank-deficient G G^T at first), a dimension over MAX_DIM (identity basis), 1-D
+# (Adam), and an order-3 tensor (three bases).
+SHAPES = [(8, 8), (6, 10), (10, 6), (5, 40), (40, 5), (16,), (4, 3, 5)]
+HP = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, precondition_frequency=PF, eps=1e-8)
+
+
+def _seed() -> int:
+    return int.from_bytes(os.urandom(4), "little")
+
+
+def _params(seed: int, dtype=torch.float32) -> list[nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)
+    return [nn.Parameter(torch.randn(s, generator=g, dtype=dtype)) for s in SHAPES]
+
+
+def _grads(seed: int, steps: int = STEPS, dtype=torch.float32) -> list[list[Tensor]]:
+    g = torch.Generator().manual_seed(seed + 1)
+    return [[torch.randn(s, generator=g, dtype=dtype) * (0.01 + 3 * float(torch.rand(1, generator=g)))
+             for s in SHAPES] for _ in range(steps)]
+
+
+def _ours(params, **kw) -> SOAP:
+    return SOAP(params, max_precond_dim=MAX_DIM, **HP, **kw)
+
+
+def _reference(params) -> torch.optim.Optimizer:
+    return pytorch_optimizer.SOAP(params, max_precondition_dim=MAX_DIM, **HP)
+
+
+def _run(opt, params, grads) -> None:
+    for step_grads in grads:
+        for p, g in zip(params, step_grads, strict=True):
+            p.grad = g.clone()
+        opt.step()
+
+
+def _trajectory(make, seed, dtype=torch.float32):
+    params = _params(seed, dtype)
+    x0 = [p.detach().clone() for p in params]
+    opt = make(params)
+    _run(opt, params, _grads(seed, dtype=dtype))
+    return x0, params, opt
+
+
+def _rel(ours, ref, x0) -> float:
+    """||x_ours - x_ref|| / ||x_ref - x_0||: the error relative to how far the parameters moved."""
+    num = sum(float((a.detach().double() - b.detach().double()).pow(2).sum()) for a, b in zip(ours, ref)) ** 0.5
+    den = sum(float((b.detach().double() - c.double()).pow(2).sum()) for b, c in zip(ref, x0)) ** 0.5
+    return num / den
+
+
+def _write_rounding_bound(x0, ref) -> float:
+    """float32 lets the two writes differ by at most 4 half-ulps (2^-22 |x|) per step: ours rounds x - u
+    once (u itself to an ulp of u), the reference rounds x - s N and then (1 - lr wd) x with a float32
+    factor. Summed over the run and taken relative to the displacement, as :func:`_rel` measures."""
+    norm = sum(float(b.detach().double().pow(2).sum()) for b in ref) ** 0.5
+    moved = sum(float((b.detach().double() - a.double()).pow(2).sum()) for a, b in zip(x0, ref)) ** 0.5
+    return STEPS * 2.0**-22 * norm / moved
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_matches_pytorch_optimizer_soap(foreach):
+    seed = _seed()
+    x0, ref, ref_opt = _trajectory(_reference, seed)
+    _, ours, our_opt = _trajectory(lambda ps: _ours(ps, foreach=foreach), seed)
+    for i, (a, b) in enumerate(zip(ours, ref)):
+        mine, theirs = our_opt.state[a], ref_opt.state[b]
+        assert int(mine["step"]) == STEPS
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(mine[key], theirs[key]), f"seed={seed} param {i} {key}"
+        for key in ("GG", "Q"):
+            assert len(mine[key]) == len(theirs[key])
+            for j, (m, t) in enumerate(zip(mine[key], theirs[key])):
+                assert (m is None) == (len(t) == 0), f"seed={seed} param {i} {key}[{j}]"
+                assert m is None or torch.equal(m, t), f"seed={seed} param {i} {key}[{j}]"
+    # 1e-6 for the step's own float32 rounding (5e-7 observed with wd = 0) plus the write's rounding.
+    err, tol = _rel(ours, ref, x0), 1e-6 + _write_rounding_bound(x0, ref)
+    assert err <= tol, f"seed={seed}: relative error {err:.3g} > {tol:.3g}"
+
+
+def test_matches_pytorch_optimizer_soap_in_float64():
+    # Same math, QR in float32 on both sides: only float64 rounding of the write is left.
+    seed = _seed()
+    x0, ref, _ = _trajectory(_reference, seed, torch.float64)
+    _, ours, _ = _trajectory(_ours, seed, torch.float64)
+    assert _rel(ours, ref, x0) < 1e-12, f"seed={seed}"
+
+
+def test_foreach_path_is_bitwise_the_reference_path():
+    seed = _seed()
+    _, single, _ = _trajectory(lambda ps: _ours(ps, foreach=False), seed)
+    _, batched, _ = _trajectory(lambda ps: _ours(ps, foreach=True), seed)
+    assert all(torch.equal(a, b) for a, b in zip(single, batched)), f"seed={seed}"
+
+
+def test_first_two_steps_match_the_hand_derivation():
+    """Step 1 is zero. Step 2 from float64 SVDs: for a square G1 = U S V^T the Shampoo bases after step 1
+    are U and V (L, R are (1-b) G1 G1^T, (1-b) G1^T G1 with distinct eigenvalues), m = (1-b1) G2,
+    v = (1-b2) (U^T G2 V)^2, and with bias corrections s = lr sqrt(1-b2) / (1-b1),
+    u = s U [(1-b1) Y / (sqrt(1-b2) |Y| + eps)] V^T + lr wd (x - s N), Y = U^T G2 V. 1-D: the same with U = V = 1."""
+    seed = _seed()
+    gen = torch.Generator().manual_seed(seed)
+    lr, (b1, b2), eps, wd = HP["lr"], HP["betas"], 1e-3, HP["weight_decay"]  # eps large enough to matter
+    # float64, so that the comparison is with the math and not with float32 eigenvectors (whose error
+    # eps * |L| / gap the eps-softened sign below would amplify up to (1 - b1) / eps = 100 times).
+    x = [nn.Parameter(torch.randn(7, 7, generator=gen, dtype=torch.float64)),
+         nn.Parameter(torch.randn(9, generator=gen, dtype=torch.float64))]
+    g1, g2 = ([torch.randn(p.shape, generator=gen, dtype=torch.float64) for p in x] for _ in range(2))
+    opt = SOAP(x, lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd)
+    for p, g in zip(x, g1):
+        p.grad = g
+    assert all(torch.equal(u, torch.zeros_like(p)) for u, p in zip(opt.compute_updates(), x))
+    for p, g in zip(x, g2):
+        p.grad = g
+    ours = opt.compute_updates()
+
+    s = lr * math.sqrt(1 - b2) / (1 - b1)
+    u_mat, _, vt = torch.linalg.svd(g1[0])
+    y = u_mat.T @ g2[0] @ vt.T
+    direction = [u_mat @ ((1 - b1) * y / (math.sqrt(1 - b2) * y.abs() + eps)) @ vt,
+                 (1 - b1) * g2[1] / (math.sqrt(1 - b2) * g2[1].abs() + eps)]
+    for u, n, p in zip(ours, direction, x):
+        expected = s * n + lr * wd * (p - s * n)
+        # eigh versus SVD in float64: 1e-9 leaves room for a gap 1e5 times smaller than |L|.
+        torch.testing.assert_close(u, expected, rtol=0, atol=1e-9 * lr, msg=lambda m: f"seed={seed}: {m}")
+
+
+def test_state_dict_round_trip_continues_identically():
+    seed = _seed()
+    grads = _grads(seed, 14)
+    params = _params(seed)
+    opt = _ours(params)
+    _run(opt, params, grads[:7])  # mid-way between the refreshes at k = 6 and k = 9
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    restart = [nn.Parameter(p.detach().clone()) for p in params]
+    _run(opt, params, grads[7:])
+    fresh = _ours(restart)
+    buffer.seek(0)
+    fresh.load_state_dict(torch.load(buffer))
+    _run(fresh, restart, grads[7:])
+    assert all(torch.equal(a, b) for a, b in zip(params, restart)), f"seed={seed}"
+    assert {"step", "exp_avg", "exp_avg_sq", "GG", "Q"} == set(fresh.state_dict()["state"][0])
+
+
+def test_compute_updates_reads_only_and_returns_fresh_tensors():
+    seed = _seed()
+    params = _params(seed)
+    opt, twin = _ours(params), _ours([nn.Parameter(p.detach().clone()) for p in params])
+    kept = []
+    for step_grads in _grads(seed, 5):
+        for p, q, g in zip(params, twin.params(), step_grads):
+            p.grad, q.grad = g, g.clone()
+        before = [(p.detach().clone(), p.grad.clone()) for p in params]
+        updates = opt.compute_updates()
+        assert all(torch.equal(p, x) and torch.equal(p.grad, g) for p, (x, g) in zip(params, before))
+        owned = {t.untyped_storage().data_ptr() for p in params for t in (p, p.grad)}
+        for s in opt.state.values():
+            owned |= {t.untyped_storage().data_ptr() for v in s.values()
+                      for t in (v if isinstance(v, list) else [v]) if isinstance(t, Tensor)}
+        assert not any(u.untyped_storage().data_ptr() in owned for u in updates)
+        kept.append((updates, [u.clone() for u in updates]))
+        apply_updates(params, updates)
+        twin.step()
+    assert all(torch.equal(a, b) for live, copies in kept for a, b in zip(live, copies)), "an update was mutated"
+    assert all(torch.equal(a, b) for a, b in zip(params, twin.params())), "step() != apply(compute_updates())"
+
+
+def test_lr_change_between_steps_is_honoured():
+    # The schedule writes group["lr"] between steps; without decay u is linear in the lr of its own step.
+    seed = _seed()
+    a, b = _params(seed), _params(seed)
+    opt_a, opt_b = _ours(a, foreach=True), _ours(b, foreach=True)
+    for opt in (opt_a, opt_b):
+        opt.param_groups[0]["weight_decay"] = 0.0
+    grads = _grads(seed, 4)
+    _run(opt_a, a, grads[:3])
+    _run(opt_b, b, grads[:3])
+    opt_a.param_groups[0]["lr"] = 0.5 * HP["lr"]
+    for p, q, g in zip(a, b, grads[3]):
+        p.grad, q.grad = g.clone(), g.clone()
+    for half, full in zip(opt_a.compute_updates(), opt_b.compute_updates()):
+        torch.testing.assert_close(half, 0.5 * full, rtol=1e-6, atol=0, msg=lambda m: f"seed={seed}: {m}")
+
+
+BAD = [
+    (dict(lr=-1.0), "lr", "-1.0"),
+    (dict(betas=(1.0, 0.95)), "betas[0]", "1.0"),
+    (dict(betas=(0.9, -0.1)), "betas[1]", "-0.1"),
+    (dict(betas=(0.9,)), "betas", "(0.9,)"),
+    (dict(shampoo_beta=1.5), "shampoo_beta", "1.5"),
+    (dict(eps=-1e-8), "eps", "-1e-08"),
+    (dict(weight_decay=float("nan")), "weight_decay", "nan"),
+    (dict(precondition_frequency=0), "precondition_frequency", "0"),
+    (dict(precondition_frequency=2.5), "precondition_frequency", "2.5"),
+    (dict(max_precond_dim=0), "max_precond_dim", "0"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "name", "value"), BAD)
+def test_bad_hyperparameters_raise_value_error_naming_them(kwargs, name, value):
+    with pytest.raises(ValueError) as info:
+        SOAP([nn.Parameter(torch.ones(2, 2))], **kwargs)
+    assert name in str(info.value) and value in str(info.value)
+
+
+def test_complex_parameters_are_rejected():
+    p = nn.Parameter(torch.ones(2, 2, dtype=torch.complex64))
+    p.grad = torch.ones_like(p)
+    with pytest.raises(ValueError, match="complex"):
+        SOAP([p]).step()
