@@ -79,10 +79,10 @@ def load_tokens(cfg: DataConfig) -> TokenData:
     streams = {}
     for split in ("train", "val"):
         key = content_key(tokenizer=tok_key, text=corpus.digest(split), dtype=dtype.name)
-        path = cache / "tokens" / f"{key[:16]}-{split}.npy"
-        if not path.exists():
-            save_stream(path, encode_stream(tokenizer, getattr(corpus, split), dtype))  # type: ignore[arg-type]
-        streams[split] = load_stream(path, dtype)
+        stream_path = cache / "tokens" / f"{key[:16]}-{split}.npy"
+        if not stream_path.exists():
+            save_stream(stream_path, encode_stream(tokenizer, getattr(corpus, split), dtype))  # type: ignore[arg-type]
+        streams[split] = load_stream(stream_path, dtype)
     return TokenData(streams["train"], streams["val"], tokenizer.vocab_size, tokenizer, corpus.source)
 
 
