@@ -8,6 +8,7 @@ from bubblefree.optim.mars import MARS
 from bubblefree.optim.muon import Muon
 from bubblefree.optim.registry import OPTIMIZERS, OptimizerSpec, build_optimizer
 from bubblefree.optim.schedule import clip_stage_grads, lr_scale, set_lr_scale
+from bubblefree.optim.soap import SOAP
 
 __all__ = [
     "MARS",
@@ -17,6 +18,7 @@ __all__ = [
     "Lion",
     "Muon",
     "OptimizerSpec",
+    "SOAP",
     "UpdateOptimizer",
     "apply_updates",
     "build_optimizer",

@@ -25,6 +25,7 @@ from bubblefree.optim.base import UpdateOptimizer, check_nonneg
 from bubblefree.optim.lion import Lion
 from bubblefree.optim.mars import MARS
 from bubblefree.optim.muon import Muon
+from bubblefree.optim.soap import SOAP
 
 __all__ = ["OPTIMIZERS", "OptimizerSpec", "build_optimizer", "is_hidden_matrix", "param_groups"]
 
@@ -93,8 +94,10 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
     "mars": OptimizerSpec(cls=MARS, lr=6e-3, betas=(0.95, 0.99), weight_decay=0.1, momentum=0.95,
                           momentum_kwargs=lambda m: {"betas": (m, 0.99)}, route_key="use_mars", adamw_lr=3e-3,
                           reference=_po("MARS")),
+    "soap": OptimizerSpec(cls=SOAP, lr=3e-3, betas=(0.95, 0.95), weight_decay=0.01, momentum=0.95,
+                          momentum_kwargs=lambda m: {"betas": (m, 0.95)}, reference=_po("SOAP")),
 }
-"""The optimizers selectable as ``optim.name``; SOAP joins as one more entry."""
+"""The optimizers selectable as ``optim.name``."""
 
 
 def is_hidden_matrix(name: str, p: torch.Tensor) -> bool:
