@@ -95,6 +95,13 @@ CASES: dict[str, Case] = {
         shapes=MIXED[:-1] + [(16,), (8,)], tol=1e-5,
         why="same float32 math for matrices; the 1-D AdamW part places eps as torch does, po inside the sqrt "
             "(relative eps / sqrt(v) ~ 1e-8 here)", tol64=1e-6),
+    "soap": Case(
+        ours=lambda ps, **kw: bo.SOAP(ps, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, precondition_frequency=3, **kw),
+        reference=lambda ps: pytorch_optimizer.SOAP(ps, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1,
+                                                    precondition_frequency=3),
+        shapes=MIXED, tol=1e-6,
+        why="the reference's float32 operations, so the state is bit-identical (tests/test_soap.py checks it); "
+            "only the write x - u rounds differently"),
 }
 
 
