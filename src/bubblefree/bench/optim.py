@@ -1,0 +1,125 @@
+"""Optimizer step time, ours versus its reference, side by side in one run; state memory per parameter.
+
+About 10M parameters of transformer-shaped float32 matrices (research/optimizers.md section 3: at d=512,
+``[(1536,512),(512,512),(2048,512),(512,2048)] x 3 + (1024,512)``) plus a few 1-D norms; fresh random
+gradients each step; ``step()`` timed with the implementations interleaved so machine noise hits both
+alike; medians. CPU runs with 2 threads (the CI size); the same table runs on CUDA when one is present.
+
+    python -m bubblefree.bench.optim [--out DIR] [--steps N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from unittest import mock
+
+import torch
+from torch import nn
+
+from bubblefree.optim.registry import OPTIMIZERS
+
+__all__ = ["MATRIX_SHAPES", "run"]
+
+MATRIX_SHAPES = [(1536, 512), (512, 512), (2048, 512), (512, 2048)] * 3 + [(1024, 512)]
+"""13 matrices, 9.96M parameters: three blocks of a d=512 transformer plus an output-sized matrix."""
+
+VECTOR_SHAPES = [(512,)] * 6
+
+
+def _fp32_bf16(self, *args, **kwargs):
+    return self.float()
+
+
+def _muon_ref(params, ns_fp32: bool):
+    opt = torch.optim.Muon(params, lr=0.02, weight_decay=0.1)
+    if ns_fp32:  # torch's own NS code with bf16 replaced by fp32 (this CPU has no fast bf16 matmul)
+        step = opt.step
+        def fp32_step(closure=None):  # noqa: E306
+            with mock.patch.object(torch.Tensor, "bfloat16", _fp32_bf16):
+                return step(closure)
+        opt.step = fp32_step
+    return opt
+
+
+def _pairs(device: torch.device):
+    """name -> (ours(params), reference(params), reference label); matrices only for Muon, like its reference."""
+    cpu = device.type == "cpu"
+    return {
+        "adamw": (lambda ps: OPTIMIZERS["adamw"].cls(ps), lambda ps: torch.optim.AdamW(ps, foreach=True),
+                  "torch AdamW foreach"),
+        "adamw (vs fused)": (lambda ps: OPTIMIZERS["adamw"].cls(ps), lambda ps: torch.optim.AdamW(ps, fused=True),
+                             "torch AdamW fused"),
+        "muon": (lambda ps: OPTIMIZERS["muon"].cls(ps), lambda ps: _muon_ref(ps, ns_fp32=cpu),
+                 "torch Muon" + (" (fp32 NS)" if cpu else "")),
+        "lion": (lambda ps: OPTIMIZERS["lion"].cls(ps), OPTIMIZERS["lion"].reference, "pytorch-optimizer Lion"),
+        "adan": (lambda ps: OPTIMIZERS["adan"].cls(ps), OPTIMIZERS["adan"].reference, "pytorch-optimizer Adan"),
+        "mars": (lambda ps: OPTIMIZERS["mars"].cls(ps), OPTIMIZERS["mars"].reference, "pytorch-optimizer MARS"),
+        "soap": (lambda ps: OPTIMIZERS["soap"].cls(ps), OPTIMIZERS["soap"].reference, "pytorch-optimizer SOAP"),
+    }
+
+
+def _state_bytes_per_param(opt: torch.optim.Optimizer, n_params: int) -> float:
+    total = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
+                if isinstance(t, torch.Tensor) and t.ndim > 0)
+    return total / n_params
+
+
+def run(out: Path | None = None, *, steps: int = 12, warmup: int = 3) -> dict:
+    """Time every pair on CPU (and CUDA if available), print the tables, write ``optim.json`` under ``out``."""
+    devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    results: dict = {"shapes": MATRIX_SHAPES + VECTOR_SHAPES, "steps": steps, "devices": {}}
+    try:
+        for device in devices:
+            rows = []
+            for name, (ours_f, ref_f, label) in _pairs(device).items():
+                shapes = MATRIX_SHAPES if name == "muon" else MATRIX_SHAPES + VECTOR_SHAPES
+                gen = torch.Generator(device=device).manual_seed(0)
+                sets = [[nn.Parameter(torch.randn(s, device=device, generator=gen) * 0.02) for s in shapes]
+                        for _ in range(2)]
+                opts = [ours_f(sets[0]), ref_f(sets[1])]
+                times: list[list[float]] = [[], []]
+                for i in range(steps + warmup):
+                    grads = [torch.randn(s, device=device, generator=gen) for s in shapes]
+                    for k in (0, 1) if i % 2 == 0 else (1, 0):  # alternate who goes first
+                        for p, g in zip(sets[k], grads):
+                            p.grad = g.clone()
+                        if device.type == "cuda":
+                            torch.cuda.synchronize()
+                        t0 = time.perf_counter()
+                        opts[k].step()
+                        if device.type == "cuda":
+                            torch.cuda.synchronize()
+                        if i >= warmup:
+                            times[k].append(time.perf_counter() - t0)
+                n = sum(p.numel() for p in sets[0])
+                ours_ms, ref_ms = (statistics.median(t) * 1e3 for t in times)
+                rows.append(dict(optimizer=name, reference=label, ours_ms=ours_ms, ref_ms=ref_ms,
+                                 ratio=ours_ms / ref_ms, params=n,
+                                 state_bytes_per_param=_state_bytes_per_param(opts[0], n),
+                                 ref_state_bytes_per_param=_state_bytes_per_param(opts[1], n)))
+            results["devices"][device.type] = rows
+            print(f"\n{device.type}, {torch.get_num_threads()} threads, median of {steps} steps, ms per step()")
+            print(f"{'optimizer':18} {'ours':>8} {'reference':>10} {'ratio':>6} {'state B/param':>14}  reference")
+            for r in rows:
+                print(f"{r['optimizer']:18} {r['ours_ms']:8.1f} {r['ref_ms']:10.1f} {r['ratio']:6.2f} "
+                      f"{r['state_bytes_per_param']:6.1f} ({r['ref_state_bytes_per_param']:4.1f})  {r['reference']}")
+    finally:
+        torch.set_num_threads(threads)
+    if out is not None:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "optim.json").write_text(json.dumps(results, indent=2))
+    return results
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--steps", type=int, default=12)
+    args = parser.parse_args()
+    run(args.out, steps=args.steps)
