@@ -190,7 +190,7 @@ class DistributedExecutor:
             elif mesh.is_last:
                 losses: list[torch.Tensor] = []
                 schedule.step(target=y, losses=losses)
-                self._loss_sum[step] = float(sum(float(loss) for loss in losses)) * self.m
+                self._loss_sum[step] = float(sum(float(loss.detach()) for loss in losses)) * self.m
             else:
                 schedule.step()
         incoming = self._recv_stats()

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -26,6 +27,7 @@ from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
 
 from bubblefree.train.config import Config
 
@@ -169,17 +171,17 @@ def launch_local(config: Config, out_dir: str | Path, nprocs: int | None = None,
     if nprocs < 1 or nprocs % config.pipeline.stages:
         raise ValueError(f"Invalid nprocs: {nprocs} (must be a multiple of pipeline.stages = {config.pipeline.stages})")
     out_dir = Path(out_dir)
+    config = dataclasses.replace(config, pipeline=dataclasses.replace(config.pipeline, runtime="distributed"))
     threads = max(1, (os.cpu_count() or 1) // nprocs)
     ctx = mp.start_processes(_spawned, args=(config, str(out_dir), nprocs, _free_port(), resume, threads),
                              nprocs=nprocs, join=False, start_method="spawn")
     try:
         while not ctx.join(timeout=1.0):
             pass
-    except mp.ProcessException as exc:  # join() has already terminated the other processes
-        cause = root_cause(out_dir) or str(exc).strip().splitlines()[-1]
-        if isinstance(exc, mp.ProcessExitedException) and exc.signal_name and root_cause(out_dir) is None:
+    except ProcessException as exc:  # join() has already terminated the other processes
+        own_errors = [r for r in read_errors(out_dir) if r["peer"] is None]
+        if isinstance(exc, ProcessExitedException) and exc.signal_name and not own_errors:
             cause = f"rank {exc.error_index} was killed by {exc.signal_name}"
-        elif isinstance(exc, mp.ProcessExitedException) and exc.signal_name:
-            cause = f"rank {exc.error_index} was killed by {exc.signal_name}" \
-                if not any(r["peer"] is None for r in read_errors(out_dir)) else cause
+        else:
+            cause = root_cause(out_dir) or str(exc).strip().splitlines()[-1]
         raise PipelineFailure(cause) from None
