@@ -147,3 +147,12 @@ def test_every_field_is_documented_and_typed():
         for key, type_name, default, doc in rows:
             assert doc, f"{section}.{key} has no docstring"
             assert type(default).__name__ == type_name, (section, key)
+
+
+def test_docs_config_reference_is_up_to_date():
+    from pathlib import Path
+
+    from bubblefree.train.config import reference_markdown
+
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "training.md").read_text()
+    assert reference_markdown() in docs, "regenerate the reference in docs/training.md (see its note)"

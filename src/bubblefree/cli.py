@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import time
 import traceback
@@ -67,16 +68,24 @@ def _train_config(args: argparse.Namespace):
 
 
 def _train(args: argparse.Namespace) -> int:
-    from bubblefree.train.loop import train
+    from bubblefree.train.loop import check_fresh_out_dir, train
 
     config = _train_config(args)
-    if args.resume is not None:
+    resume = args.resume is not None
+    if resume:
         if args.out is not None and Path(args.out).resolve() != Path(args.resume).resolve():
             raise UserError(f"Invalid --out: {args.out} (a resumed run writes to its own folder {args.resume})")
         out_dir = Path(args.resume)
     else:
         out_dir = Path(args.out or f"runs/{args.preset or 'demo'}-{time.strftime('%Y%m%d-%H%M%S')}")
-    train(config, out_dir=out_dir, resume=args.resume is not None)
+        check_fresh_out_dir(out_dir)
+    if config.pipeline.runtime == "distributed" and "RANK" not in os.environ:
+        # One process per stage; rank 0 runs this same training loop with the distributed executor.
+        from bubblefree.distributed import launch_local
+
+        launch_local(config, out_dir, resume=resume)
+    else:
+        train(config, out_dir=out_dir, resume=resume)
     return 0
 
 

@@ -1,1 +1,30 @@
+"""Training: typed run configuration, presets, the loop, the single-process executor, checkpoints, metrics."""
 
+from bubblefree.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from bubblefree.train.config import (Config, DataConfig, DelayConfig, LogConfig, ModelConfig, OptimConfig,
+                                     PipelineConfig, TrainConfig, dump_toml, load_config, validate)
+from bubblefree.train.executor import Executor, StepStats
+from bubblefree.train.loop import train
+from bubblefree.train.presets import PRESETS, get_preset
+
+__all__ = [
+    "PRESETS",
+    "Config",
+    "DataConfig",
+    "DelayConfig",
+    "Executor",
+    "LogConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "PipelineConfig",
+    "StepStats",
+    "TrainConfig",
+    "dump_toml",
+    "get_preset",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "load_config",
+    "save_checkpoint",
+    "train",
+    "validate",
+]

@@ -40,6 +40,7 @@ __all__ = [
     "load_config",
     "parse_override",
     "read_toml",
+    "reference_markdown",
     "validate",
 ]
 
@@ -113,7 +114,7 @@ class TrainConfig:
     """Gradient-norm clip (0 disables). With P pipeline stages each stage clips its own gradients to
     ``grad_clip / sqrt(P)`` so no pipeline-wide barrier is needed; P = 1 is ordinary global clipping."""
 
-    eval_every: int = 100
+    eval_every: int = 50
     """Evaluate on the validation split every N steps (and at the end); 0 only at the end."""
 
     eval_batches: int = 8
@@ -422,3 +423,14 @@ def field_docs() -> dict[str, list[tuple[str, str, Any, str]]]:
         out[name] = [(f.name, _field_type(section, f.name).__name__, getattr(section, f.name),
                       docs.get(cls, {}).get(f.name, "")) for f in dataclasses.fields(section)]
     return out
+
+
+def reference_markdown() -> str:
+    """The config reference of docs/training.md: one table per section, generated from :func:`field_docs`."""
+    out = []
+    for section, rows in field_docs().items():
+        out += [f"**[{section}]**", "", "| key | type | default | meaning |", "|---|---|---|---|"]
+        out += [f"| `{section}.{key}` | {kind} | `{_toml_value(default)}` | {doc.replace('|', '/')} |"
+                for key, kind, default, doc in rows]
+        out.append("")
+    return "\n".join(out)
