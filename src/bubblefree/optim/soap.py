@@ -30,7 +30,7 @@ which matches the official trajectory to 8.6e-6 (research/optimizers.md); weight
 Why the trajectory is well defined although eigenvectors are not: flipping the sign of a column of ``Q_i``
 flips the matching slice of ``rot(G)`` and of ``rot(m)`` together, so ``v`` (a square) and the ratio
 ``rot(m) / sqrt(v)`` after ``rot^{-1}`` are unchanged. The order of the columns is tied to ``v`` by the
-sort-and-permute of the refresh. Only a *repeated* eigenvalue (for instance the null space of
+sort-and-permute of the refresh. Only a repeated (or nearly repeated) eigenvalue (for instance the null space of
 ``G G^T`` while fewer gradients than rows have been seen) leaves the basis, and so the update, to the
 linear-algebra library's rounding; the state depends on the gradients alone, so identical gradients and
 identical floating-point operations give an identical trajectory.
@@ -66,8 +66,8 @@ from bubblefree.optim.base import UpdateOptimizer, check_betas, check_nonneg
 
 __all__ = ["SOAP"]
 
-# The official code adds 1e-30 * I before eigh; it only changes an exactly zero diagonal entry (a
-# gradient row that has always been zero), where it keeps the decomposition off an exact singularity.
+# The official code adds 1e-30 * I before eigh; in float32 that only changes diagonal entries below
+# ~1e-23 (a gradient row that has always been zero), so we keep it for bit-identical bases.
 _EIGH_JITTER = 1e-30
 
 
@@ -226,7 +226,10 @@ def _foreach_soap(
         exp_avgs, exp_avg_sqs = [s["exp_avg"] for s in sts], [s["exp_avg_sq"] for s in sts]
         g_rots = [_rotate(g, s["Q"]) for g, s in zip(gs, sts)]
         torch._foreach_lerp_(exp_avgs, gs, 1.0 - beta1)
-        torch._foreach_lerp_(exp_avg_sqs, torch._foreach_mul(g_rots, g_rots), 1.0 - beta2)
+        squares = torch._foreach_mul(g_rots, g_rots)
+        del g_rots  # the lists hold every tensor's temporaries at once: drop each as soon as it is used
+        torch._foreach_lerp_(exp_avg_sqs, squares, 1.0 - beta2)
+        del squares
         denoms = torch._foreach_sqrt(exp_avg_sqs)
         torch._foreach_add_(denoms, eps)
         ratios = torch._foreach_div([_rotate(m, s["Q"]) for m, s in zip(exp_avgs, sts)], denoms)
