@@ -190,7 +190,8 @@ def test_split_shares_parameters_and_keeps_names() -> None:
     for stage in stages:
         for name, p in stage.named_parameters():
             assert model_params[name] is p
-    assert [n for n, _ in stages[1].named_parameters()][0] == f"layers.{stage_layer_ranges(4, 3)[1][0]}.attn_norm.weight"
+    first_middle_layer = stage_layer_ranges(4, 3)[1][0]
+    assert next(stages[1].named_parameters())[0] == f"layers.{first_middle_layer}.attn_norm.weight"
     mapping = param_stages(model, 3)
     assert list(mapping) == [n for n, _ in model.named_parameters()]
     assert mapping["embed.weight"] == 0 and mapping["norm.weight"] == 2 and "lm_head.weight" not in mapping
@@ -246,8 +247,8 @@ def test_moe_output_matches_per_token_reference(top_k: int, n_shared: int) -> No
         for e, g in zip(top.tolist(), gate):
             expected[t] += g * (w2[e] @ (F.silu(w1[e] @ xs[t]) * (w3[e] @ xs[t])))
         if n_shared:
-            s = moe.shared
-            expected[t] += s.w2.weight.double() @ (F.silu(s.w1.weight.double() @ xs[t]) * (s.w3.weight.double() @ xs[t]))
+            s1, s2, s3 = (lin.weight.detach().double() for lin in (moe.shared.w1, moe.shared.w2, moe.shared.w3))
+            expected[t] += s2 @ (F.silu(s1 @ xs[t]) * (s3 @ xs[t]))
     torch.testing.assert_close(out.reshape(-1, 6), expected.detach(), rtol=1e-12, atol=1e-14)  # float64 both
 
 

@@ -1,9 +1,10 @@
 """Training throughput of our ``Transformer`` against Hugging Face ``LlamaForCausalLM`` of identical shape.
 
-One step = forward + cross-entropy + backward + fused ``torch.optim.AdamW`` step (the same optimizer for both,
-so the comparison is of the models). The two models alternate step by step in the same process and we report medians, so load
-from other processes on a shared machine hits both alike. Also measured: the machine's float32 matmul rate
-(median over square ``n x n`` matmuls, ``2 n^3`` flops each), and the model FLOP utilisation against it.
+One step = forward + cross-entropy + backward + fused ``torch.optim.AdamW`` step (the same optimizer for
+both, so the comparison is of the models). The two models alternate step by step in the same process and we
+report medians, so load from other processes on a shared machine hits both alike. Also measured: the
+machine's float32 matmul rate (median over square ``n x n`` matmuls, ``2 n^3`` flops each), and the model
+FLOP utilisation (MFU) against it.
 
 Model FLOPs per token (PaLM's MFU definition, Chowdhery et al. 2022, appendix B):
 

@@ -89,7 +89,7 @@ class MoE(nn.Module):
         """The experts chosen in the last forward, ``[N, k]`` (for tests and routing statistics)."""
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Router probabilities ``[N, E]`` (float32 or wider), chosen experts ``[N, k]`` and their weights ``[N, k]``."""
+        """Router probabilities ``[N, E]`` (float32 or wider), chosen experts ``[N, k]``, their weights ``[N, k]``."""
         logits = self.router(x)  # the softmax and top-k run in at least float32, also under bf16 autocast
         probs = logits.to(torch.promote_types(logits.dtype, torch.float32)).softmax(dim=-1)
         weights, experts = probs.topk(self.top_k, dim=-1)
