@@ -106,6 +106,8 @@ def test_resume_refuses_a_different_config(smoke_run, capsys):
     _expect_user_error(capsys, ["train", "--resume", str(out), "--set", "train.seed=3"],
                        "differs from the checkpoint's in train.seed: 0 -> 3")
     _expect_user_error(capsys, ["train", "--resume", str(out), "--preset", "demo"], "only --set may change")
+    _expect_user_error(capsys, ["train", "--resume", str(out)], "the run is complete at step 40")
+    _expect_user_error(capsys, ["train", "--resume", str(out.parent / "elsewhere")], "holds no run")
     assert tree_digest(out) == before
 
 

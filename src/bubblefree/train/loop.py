@@ -106,8 +106,9 @@ def _resume_state(config: Config, out_dir: Path) -> dict[str, Any]:
     if differ:
         listed = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in differ.items())
         raise UserError(f"Invalid --resume: the config differs from the checkpoint's in {listed}")
-    if ckpt["step"] > config.train.steps:
-        raise UserError(f"Invalid train.steps: {config.train.steps} (the checkpoint is at step {ckpt['step']})")
+    if ckpt["step"] >= config.train.steps:
+        raise UserError(f"Invalid --resume: the run is complete at step {ckpt['step']} of train.steps = "
+                        f"{config.train.steps}; extend it with --set train.steps=N")
     return ckpt
 
 
@@ -182,8 +183,9 @@ def _run(config: Config, out_dir: Path, resume: bool) -> dict[str, Any]:
             stats = executor.train_step(step, lr_scale(step, cfg.steps, warmup_frac=cfg.warmup_frac,
                                                        min_lr_frac=cfg.min_lr_frac))
             elapsed = time.perf_counter() - tic
-            train_time, window_time, window_tokens = train_time + elapsed, window_time + elapsed, \
-                window_tokens + tokens_per_step
+            train_time += elapsed
+            window_time += elapsed
+            window_tokens += tokens_per_step
             done, last = step + 1, step + 1 == cfg.steps
             evaluate = last or (cfg.eval_every > 0 and done % cfg.eval_every == 0)
             if evaluate:
