@@ -31,6 +31,7 @@ from bubblefree.distributed.mesh import Mesh, init_mesh
 from bubblefree.distributed.p2p import P2P
 from bubblefree.distributed.stage import StageRuntime
 from bubblefree.distributed.trace import Tracer
+from bubblefree.errors import UserError
 from bubblefree.train.config import Config
 from bubblefree.train.executor import StepStats
 
@@ -81,6 +82,9 @@ class DistributedExecutor:
         if getattr(getattr(model, "args", None), "tie_embeddings", False) and pipe.stages > 1:
             raise ValueError(f"Invalid model.preset: {cfg.model.preset!r} ties its embedding and head, which the "
                              f"distributed runtime refuses for pipeline.stages > 1 (docs/runtime.md)")
+        if mesh is None and not dist.is_initialized() and "RANK" not in os.environ:
+            raise UserError("Invalid pipeline.runtime: 'distributed' needs one process per stage: run under torchrun "
+                            "(python -m bubblefree.distributed) or bubblefree.distributed.launch_local")
         timeout_s = timeout_s or float(os.environ.get("BUBBLEFREE_P2P_TIMEOUT", DEFAULT_TIMEOUT_S))
         self.mesh = mesh or init_mesh(stages=pipe.stages, timeout_s=timeout_s)
         P, R, m = pipe.stages, self.mesh.replicas, pipe.microbatches
