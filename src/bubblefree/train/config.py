@@ -254,13 +254,13 @@ def _resolve(config: Config, dotted: str) -> tuple[Any, str, type]:
 
 
 def _typed(dotted: str, value: Any, expected: type) -> Any:
-    """Check a value read from TOML (already typed); an int is accepted for a float field."""
-    ok = (isinstance(value, bool) if expected is bool
-          else isinstance(value, (int, float)) and not isinstance(value, bool) if expected is float
-          else isinstance(value, expected) and not isinstance(value, bool))
-    if not ok:
+    """Check a value read from TOML (already typed); an int is accepted for a float field, a bool never for a
+    number (``True`` is an ``int`` in Python, not in a config)."""
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if type(value) is not expected:
         raise UserError(f"Invalid value for {dotted}: {value!r} (expected {expected.__name__})")
-    return float(value) if expected is float else value
+    return value
 
 
 def parse_override(config: Config, text: str) -> tuple[str, Any]:
