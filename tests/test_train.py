@@ -147,3 +147,14 @@ def test_every_optimizer_reduces_the_validation_loss(cache_dir, data, name):
         executor.train_step(step, 1.0)
     after = executor.evaluate()
     assert after < before - 0.1, (name, before, after)
+
+
+def test_bfloat16_autocast_matches_float32_to_bf16_precision(cache_dir, data):
+    """``train.dtype = bfloat16`` (what ``auto`` picks on CUDA) computes the same loss to bf16 precision."""
+    losses = {}
+    for dtype in ("float32", "bfloat16"):
+        torch.manual_seed(0)
+        model = build_model("llama-1m", vocab_size=data.vocab_size)
+        losses[dtype] = SimExecutor(tiny(cache_dir, **{"train.dtype": dtype}), model, data).evaluate()
+    assert losses["bfloat16"] != losses["float32"]  # the autocast is really on
+    assert losses["bfloat16"] == pytest.approx(losses["float32"], rel=2e-2)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -31,7 +32,7 @@ from bubblefree.schedules.delays import n_partitions, parameter_delays
 from bubblefree.train.config import Config
 from bubblefree.train.executor import StepStats
 
-__all__ = ["SimExecutor", "resolve_device"]
+__all__ = ["SimExecutor", "autocast_for", "resolve_device"]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -41,6 +42,16 @@ def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise ValueError("Invalid train.device: 'cuda' (no CUDA device is available)")
     return torch.device(name)
+
+
+def autocast_for(dtype: str, device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
+    """A factory of the forward's autocast context: bf16 for ``bfloat16``, and for ``auto`` on CUDA; else none.
+
+    Shared by the simulation and the distributed runtime so both compute in the same precision.
+    """
+    if dtype == "bfloat16" or (dtype == "auto" and device.type == "cuda"):
+        return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext
 
 
 class SimExecutor:
@@ -55,10 +66,7 @@ class SimExecutor:
         self.data = data
         self.device = resolve_device(config.train.device)
         self.model = model.to(self.device)
-        dtype = config.train.dtype
-        use_bf16 = dtype == "bfloat16" or (dtype == "auto" and self.device.type == "cuda")
-        self._autocast = (lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)) if use_bf16 \
-            else contextlib.nullcontext
+        self._autocast = autocast_for(config.train.dtype, self.device)
 
         self.optimizer = build_optimizer(model, config.optim)
         # WPipe cuts the model into 2P partitions, device s holding partitions s and s+P; every other
