@@ -150,7 +150,9 @@ def _step_size(lr: float, beta1: float, beta2: float, k: int) -> float:
     return lr * (math.sqrt(1.0 - beta2**k) / (1.0 - beta1**k))
 
 
-def _after_update(g: Tensor, state: dict[str, Any], k: int, *, shampoo_beta: float, precondition_frequency: int) -> None:
+def _after_update(
+    g: Tensor, state: dict[str, Any], k: int, *, shampoo_beta: float, precondition_frequency: int
+) -> None:
     """Fold ``g`` into the statistics, then refresh the bases every ``precondition_frequency`` steps."""
     _accumulate_grams(state["GG"], g, shampoo_beta)
     if k % precondition_frequency == 0:
