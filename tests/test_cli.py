@@ -164,3 +164,14 @@ def test_ctrl_c_checkpoints_and_resume_finishes(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(SimExecutor, "train_step", step_fn)
     assert main(["train", "--resume", str(out)]) == 0
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == list(range(1, 9))
+
+
+def test_tensorboard_without_the_extra_is_a_user_error(tmp_path, capsys):
+    try:
+        import tensorboard  # noqa: F401
+        pytest.skip("tensorboard is installed")
+    except ImportError:
+        pass
+    _expect_user_error(capsys, ["train", "--preset", "smoke", "--set", "log.tensorboard=true",
+                                "--out", str(tmp_path / "run")], "pip install 'bubblefree[tensorboard]'")
+    assert not (tmp_path / "run").exists()
