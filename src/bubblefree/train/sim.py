@@ -95,7 +95,7 @@ class SimExecutor:
         set_lr_scale(self.optimizer, lr_scale)
         self.delayed.zero_grad()
         total = torch.zeros((), device=self.device)
-        aux = 0.0
+        aux = 0.0  # summed lazily: no device sync per microbatch
         with self.delayed.stale_params():
             for micro in range(n_micro):
                 x, y = get_batch(self.data.train, seed=cfg.train.seed, step=step, microbatch=micro,
@@ -104,12 +104,12 @@ class SimExecutor:
                 loss = self._loss(x, y)
                 (loss / n_micro).backward()
                 total += loss.detach()
-                aux += float(self.model.aux_loss()) / n_micro
+                aux = aux + self.model.aux_loss()
         norms = [clip_stage_grads(params, cfg.train.grad_clip, n_stages=len(self.stage_params))
                  for params in self.stage_params]
         self.delayed.step()
         return StepStats(loss=float(total) / n_micro, grad_norm=math.sqrt(sum(n * n for n in norms)),
-                         aux_loss=aux, lr=self.optimizer.param_groups[0]["lr"])
+                         aux_loss=float(aux) / n_micro, lr=self.optimizer.param_groups[0]["lr"])
 
     @torch.no_grad()
     def evaluate(self) -> float:
