@@ -96,3 +96,15 @@ def test_report_writes_table_and_png(tmp_path, capsys):
     assert rows[1]["idle_fraction"] < rows[0]["idle_fraction"]
     assert (tmp_path / "timeline.png").stat().st_size > 10_000
     assert "2bw" in capsys.readouterr().out
+
+
+def test_cli_simulate(tmp_path, capsys):
+    from bubblefree.cli import main
+
+    assert main(["simulate", "--stages", "2", "--microbatches", "4", "--schedules", "1f1b,2bw",
+                 "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "simulate.json").exists() and (tmp_path / "timeline.png").exists()
+    capsys.readouterr()
+    assert main(["simulate", "--stages", "4", "--microbatches", "2", "--schedules", "2bw"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "at least one per stage" in err

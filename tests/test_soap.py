@@ -31,16 +31,6 @@ SHAPES = [(8, 8), (6, 10), (10, 6), (5, 40), (40, 5), (16,), (4, 3, 5)]
 HP = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, precondition_frequency=PF, eps=1e-8)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """The matrices here are tiny: a second OpenMP thread buys nothing, and on an oversubscribed machine
-    (2 cores, xdist workers, other jobs) every parallel region can wait a scheduler slice for it. One
-    30-step trajectory took 21 s with 2 threads under load against 0.02 s with 1."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def _seed() -> int:
     return int.from_bytes(os.urandom(4), "little")

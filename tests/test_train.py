@@ -36,14 +36,6 @@ def tiny(cache_dir: str, **overrides) -> Config:
         "train.ckpt_keep": 10, "train.threads": 1, "log.progress": False, **overrides})
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The executor tests below build executors directly; one thread is what ``train.threads = 1`` does."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 @pytest.fixture(scope="module")
 def data(cache_dir):

@@ -1,6 +1,7 @@
 """The ``bubblefree`` command (DESIGN.md section 6).
 
     bubblefree train [--preset NAME] [--config FILE.toml] [--set KEY=VALUE ...] [--out DIR] [--resume DIR]
+    bubblefree simulate --stages P --microbatches M --schedules a,b,... [--costs F:B:W] [--steps T] [--out DIR]
     bubblefree bench {train,optim,delay} [--out DIR]
 
 Exit codes: 0 success; 2 invalid input (one line on stderr naming the problem, nothing written or
@@ -44,6 +45,18 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--out", metavar="DIR", help="output folder (default: runs/<preset>-<time>); "
                                                     "must not already hold a run")
     train.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its newest checkpoint")
+
+    simulate = commands.add_parser(
+        "simulate", help="compare pipeline schedules on paper: bubbles, delays, memory, timeline pictures",
+        description="Simulate pipeline schedules from their action orders (see docs/schedules.md).")
+    simulate.add_argument("--stages", type=int, required=True, metavar="P")
+    simulate.add_argument("--microbatches", type=int, required=True, metavar="M", help="per optimizer step")
+    simulate.add_argument("--schedules", default="gpipe,1f1b,interleaved-1f1b,zero-bubble,2bw,pipedream",
+                          metavar="A,B,...", help="comma-separated (default: all)")
+    simulate.add_argument("--costs", default="1:1:1", metavar="F:B:W",
+                          help="forward, input-gradient and weight-gradient times (default 1:1:1)")
+    simulate.add_argument("--steps", type=int, default=8, metavar="T", help="optimizer steps (default 8)")
+    simulate.add_argument("--out", metavar="DIR", help="write timeline.png and simulate.json here")
 
     bench = commands.add_parser("bench", help="run a benchmark and print a side-by-side table")
     bench.add_argument("name", choices=BENCHMARKS)
@@ -89,6 +102,23 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _simulate(args: argparse.Namespace) -> int:
+    from bubblefree.schedules.ir import build_schedule
+    from bubblefree.schedules.report import simulate_schedules
+    from bubblefree.schedules.timeline import Costs
+
+    try:
+        costs = Costs.parse(args.costs)
+        schedules = [name for name in args.schedules.split(",") if name]
+        for name in schedules:  # check every name before printing anything
+            build_schedule(name, args.stages, args.microbatches, steps=args.steps)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    simulate_schedules(schedules, stages=args.stages, microbatches=args.microbatches, costs=costs,
+                       steps=args.steps, out=args.out)
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     try:
         module = importlib.import_module(f"bubblefree.bench.{args.name}")
@@ -104,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the command line; return the exit code (the console script exits with it)."""
     args = build_parser().parse_args(argv)
     try:
-        return {"train": _train, "bench": _bench}[args.command](args)
+        return {"train": _train, "simulate": _simulate, "bench": _bench}[args.command](args)
     except UserError as e:
         print(f"bubblefree: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2

@@ -1,0 +1,15 @@
+"""Shared test settings."""
+
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tests use tiny tensors: a second OpenMP thread buys nothing, and on an oversubscribed machine (2 cores,
+    xdist workers, subprocesses) every parallel region can wait a scheduler slice for it (one 30-step SOAP
+    trajectory took 21 s with 2 threads under load against 0.02 s with 1)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
