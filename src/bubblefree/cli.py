@@ -3,6 +3,7 @@
     bubblefree train [--preset NAME] [--config FILE.toml] [--set KEY=VALUE ...] [--out DIR] [--resume DIR]
     bubblefree simulate --stages P --microbatches M --schedules a,b,... [--costs F:B:W] [--steps T] [--out DIR]
     bubblefree bench {train,optim,delay} [--out DIR]
+    bubblefree reproduce SUITE [--scale smoke|cpu|gpu] [--out DIR] [--seeds N] [--optimizers A,B,...]
 
 Exit codes: 0 success; 2 invalid input (one line on stderr naming the problem, nothing written or
 overwritten); 1 an internal failure (with its traceback); 130 interrupted (after a checkpoint when one could
@@ -61,6 +62,18 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="run a benchmark and print a side-by-side table")
     bench.add_argument("name", choices=BENCHMARKS)
     bench.add_argument("--out", metavar="DIR", help="also write the results here")
+
+    reproduce = commands.add_parser(
+        "reproduce", help="run one of the paper's experiments: runs, a table beside the paper's, plots",
+        description="Reproduce an experiment of arXiv 2606.30634 (see docs/results.md). Finished runs are "
+                    "skipped, so an interrupted suite continues where it stopped.")
+    reproduce.add_argument("suite", metavar="SUITE", help="optimizers, error-feedback, momentum, mitigations, "
+                                                          "schedules, sensitivity or moe")
+    reproduce.add_argument("--scale", choices=("smoke", "cpu", "gpu"), default="cpu",
+                           help="smoke: minutes; cpu (default): ~30 min for optimizers on 2 cores; gpu: 135M runs")
+    reproduce.add_argument("--out", metavar="DIR", help="results folder (default results/<scale>)")
+    reproduce.add_argument("--seeds", type=int, metavar="N", help="seeds per configuration (default: the scale's)")
+    reproduce.add_argument("--optimizers", metavar="A,B,...", help="only these of the suite's optimizers")
     return parser
 
 
@@ -130,11 +143,29 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _reproduce(args: argparse.Namespace) -> int:
+    from bubblefree.experiments import reproduce
+
+    if args.seeds is not None and args.seeds < 1:
+        raise UserError(f"Invalid --seeds: {args.seeds} (must be >= 1)")
+    optimizers = tuple(o for o in args.optimizers.split(",") if o) if args.optimizers else None
+    command = " ".join(["bubblefree reproduce", args.suite, "--scale", args.scale]
+                       + [f"--{k} {v}" for k, v in (("out", args.out), ("seeds", args.seeds),
+                                                   ("optimizers", args.optimizers)) if v is not None])
+    result = reproduce(args.suite, scale=args.scale, out=args.out, seeds=args.seeds, optimizers=optimizers,
+                       command=command)
+    print(f"bubblefree: {args.suite}: table {result['table']}; plots "
+          f"{', '.join(str(p) for p in result['plots']) or 'none'}; chosen learning rates "
+          f"{', '.join(f'{o} {lr:g}' for o, lr in result['lrs'].items())}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; return the exit code (the console script exits with it)."""
     args = build_parser().parse_args(argv)
     try:
-        return {"train": _train, "simulate": _simulate, "bench": _bench}[args.command](args)
+        return {"train": _train, "simulate": _simulate, "bench": _bench,
+                "reproduce": _reproduce}[args.command](args)
     except UserError as e:
         print(f"bubblefree: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2

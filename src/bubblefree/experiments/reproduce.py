@@ -1,0 +1,89 @@
+"""``bubblefree reproduce SUITE``: sweep, run, tabulate and plot one of the paper's experiments.
+
+Steps: (1) the synchronous learning-rate sweep of the suite's optimizers (``suites.sweep_runs``), (2) the
+suite's runs at the chosen rates, (3) ``<out>/<suite>.md`` (the sweep, the table laid out like the paper's
+with its numbers beside ours, the definitions, provenance) and the PNG plots. Every run leaves
+``<out>/runs/<id>.json``; a re-run skips finished runs, so an interrupted suite continues where it stopped
+and suites sharing runs (``optimizers`` and ``error-feedback``) share their results.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from bubblefree.errors import UserError
+from bubblefree.experiments.plots import draw
+from bubblefree.experiments.runner import commit, machine, run_all, run_id
+from bubblefree.experiments.scales import get_scale
+from bubblefree.experiments.suites import choose_lrs, get_suite, sweep_runs, sweep_table
+
+__all__ = ["reproduce"]
+
+_DEFINITIONS = (
+    "Final validation loss (nats/token), mean ± sample std over seeds. *gap* = mean(async) - mean(sync); "
+    "*noise floor* = mean |sync(seed a) - sync(seed b)| over pairs of seeds: a gap below it is not an effect; "
+    "*gap recovered* = (async - corrected) / (async - sync). Paper numbers: arXiv 2606.30634 via secondary "
+    "sources (DESIGN.md section 2), 360M models on FineWeb-Edu, so compare signs and orderings, not values.")
+
+
+def reproduce(suite: str, *, scale: str = "cpu", out: str | Path | None = None, seeds: int | None = None,
+              optimizers: tuple[str, ...] | None = None, progress: bool = True,
+              command: str = "") -> dict[str, Any]:
+    """Run ``suite`` at ``scale`` into ``out`` (default ``results/<scale>``); return paths and the chosen rates.
+
+    ``seeds`` replaces the scale's seed count; ``optimizers`` restricts the suite to a subset of its own;
+    ``command`` is recorded in the table (the CLI passes its command line).
+    Raises UserError (a ValueError) for an unknown suite, scale or optimizer.
+    """
+    spec, sc = get_suite(suite), get_scale(scale, seeds=seeds)
+    chosen = spec.optimizers if optimizers is None else tuple(optimizers)
+    unknown = [o for o in chosen if o not in spec.optimizers]
+    if unknown or not chosen:
+        raise UserError(f"Invalid optimizers: {','.join(chosen)!r} (suite {suite} runs "
+                         f"{', '.join(spec.optimizers)})")
+    out = Path(out or f"results/{sc.name}")
+    from tqdm.auto import tqdm
+
+    sweep = sweep_runs(sc, chosen)
+    planned = {run_id(r) for r in sweep} | {run_id(r) for r in spec.runs(sc, {o: 0.0 for o in chosen})}
+    tic = time.perf_counter()
+    with tqdm(total=len(planned), unit="run", desc=f"{suite} ({sc.name})", dynamic_ncols=True,
+              disable=not progress) as bar:
+        sweep_rows = run_all(sweep, out, bar=bar)
+        lrs = choose_lrs(sweep_rows)
+        lrs = {o: lrs[o] for o in chosen}
+        rows = run_all(spec.runs(sc, lrs), out, bar=bar)
+    elapsed = time.perf_counter() - tic
+
+    title = f"{spec.title}, scale {sc.name}"
+    plots = draw(rows, spec.plots, out, title=title)
+    table_path = out / f"{suite}.md"
+    table_path.write_text(_markdown(spec, sc, sweep_rows, rows, plots, elapsed,
+                                              command or f"reproduce({suite!r}, scale={sc.name!r})"), encoding="utf-8")
+    (out / f"{suite}.json").write_text(json.dumps({"suite": suite, "scale": sc.name, "lrs": lrs,
+                                                   "runs": sorted({r["id"] for r in rows + sweep_rows})},
+                                                  indent=1) + "\n", encoding="utf-8")
+    return {"table": table_path, "plots": plots, "lrs": lrs, "rows": rows, "sweep": sweep_rows}
+
+
+def _markdown(spec, scale, sweep_rows, rows, plots, elapsed: float, command: str) -> str:
+    base = scale.base
+    run_time = sum(r["wall_time_s"] for r in {r["id"]: r for r in rows + sweep_rows}.values())
+    commits = sorted({r["commit"] for r in rows + sweep_rows})
+    lines = [
+        f"# {spec.title}", "",
+        f"Scale `{scale.name}`: model `{base.model.preset}`, {base.train.steps} steps of {base.train.batch_size} x "
+        f"{base.train.seq_len} tokens, {base.pipeline.stages} pipeline stages (simulated), "
+        f"{scale.seeds} seed(s) (sync baselines at least 2).",
+        f"Command: `{command}`; "
+        f"commit(s) of the runs: {', '.join(commits)}; this table written at commit {commit()} on {machine()}.",
+        f"Compute: {run_time / 60:.1f} min of runs in total ({len({r['id'] for r in rows + sweep_rows})} runs), "
+        f"this invocation {elapsed / 60:.1f} min (finished runs are skipped).", "",
+        "## Learning-rate sweep (synchronous, seed 0, full length)", "", sweep_table(sweep_rows), "",
+        "## Results", "", spec.table(rows), "", _DEFINITIONS, "",
+    ]
+    lines += [f"![{p.stem}]({p.name})" for p in plots]
+    return "\n".join(lines) + "\n"

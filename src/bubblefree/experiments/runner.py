@@ -1,0 +1,161 @@
+"""Run a list of experiment runs, one JSON per finished run, skipping runs whose JSON already exists.
+
+A :class:`Run` is a :class:`~bubblefree.train.config.Config` with the tags the tables group by. Its id is
+``<name>-<hash of the config>`` (both functions of the config alone), so two suites (or a sweep and a baseline) that need the very same run share
+one result, and a changed config never reuses a stale one. ``<out>/runs/<id>.json`` holds the config, the
+final validation loss, the validation and training curves, the wall time, the commit and the machine; it is
+written atomically after the run, so an interrupted suite re-run skips exactly the finished runs. The
+training folder of a run (``<out>/work/<id>``: config.toml, metrics.jsonl, loss.png, train.log) is kept
+without its checkpoints; a partial one left by an interruption is discarded and the run starts over.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import platform
+import shutil
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bubblefree.train.config import Config, config_to_dict
+from bubblefree.train.metrics import METRICS_FILE, read_metrics
+
+__all__ = ["Run", "commit", "machine", "run_all", "run_id"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Run:
+    """One training run of an experiment and the tags its suite's table groups it by."""
+
+    config: Config
+    variant: str
+    """What the run is within its suite: ``sync``, ``async``, ``ef``, ``pipedream``, ``sweep`` ..."""
+
+    x: float | None = None
+    """The value of the swept quantity (learning rate, momentum, depth, ...), if any."""
+
+    tags: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def optimizer(self) -> str:
+        return self.config.optim.name
+
+    @property
+    def seed(self) -> int:
+        return self.config.train.seed
+
+    @property
+    def name(self) -> str:
+        """Readable part of the id, a function of the config only (so equal configs get equal ids)."""
+        c = self.config
+        correction = "" if c.delay.correction == "none" else f"-{c.delay.correction}"
+        return f"{c.optim.name}-{c.pipeline.schedule}{c.pipeline.stages}{correction}-s{c.train.seed}"
+
+
+def run_id(run: Run) -> str:
+    """``<name>-<first 10 hex digits of the sha256 of the config>``. ``log.*`` is left out: it changes
+    nothing the run computes."""
+    data = {k: v for k, v in config_to_dict(run.config).items() if k != "log"}
+    digest = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:10]
+    return f"{run.name}-{digest}"
+
+
+def commit() -> str:
+    """The git commit of the source tree (``+dirty`` with uncommitted changes), or ``unknown``."""
+    here = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine() -> str:
+    """One line naming the machine: GPU or CPU model, cores, torch version."""
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else _cpu_name()
+    return f"{platform.node()}: {device}, {os.cpu_count()} cores, torch {torch.__version__}"
+
+
+def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=1, allow_nan=True) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _execute(run: Run, work: Path, *, provenance: dict[str, str]) -> dict[str, Any]:
+    """Train ``run`` in ``work`` (its printout to ``work/train.log``) and return its record."""
+    from bubblefree.train import train
+
+    if work.exists():  # left by an interrupted earlier attempt: a run either finishes or starts over
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    tic = time.perf_counter()
+    with (work / "train.log").open("w") as log, contextlib.redirect_stdout(log):
+        summary = train(run.config, out_dir=work / "run")
+    wall = time.perf_counter() - tic
+    shutil.rmtree(work / "run" / "checkpoints", ignore_errors=True)  # megabytes each, never resumed
+    records = read_metrics(work / "run" / METRICS_FILE)
+    loss = summary["final_val_loss"]
+    return {
+        "id": run_id(run), "config": config_to_dict(run.config),
+        "final_val_loss": loss if math.isfinite(loss) else None,
+        "val_curve": [[r["step"], r["tokens"], r["val_loss"]] for r in records if "val_loss" in r],
+        "train_curve": [[r["step"], r["tokens"], r["loss"]] for r in records],
+        "tokens_per_s": summary["tokens_per_s"], "wall_time_s": wall, **provenance,
+    }
+
+
+def run_all(runs: Sequence[Run], out: str | Path, *, bar: Any = None) -> list[dict[str, Any]]:
+    """Make sure every run has its JSON in ``<out>/runs``; return one row per run: its record plus its tags
+    (``optimizer``, ``variant``, ``x``, ``seed`` and ``run.tags``), which is what the tables group by.
+
+    Finished runs (their JSON exists) are read, not re-run; ``bar`` (a tqdm bar, optional) advances once per
+    run executed, and its total shrinks by one per run skipped, so its rate and time left count only real
+    work. Runs listed twice (same id) run once.
+    """
+    out = Path(out)
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    unique = {run_id(run): run for run in runs}
+    provenance: dict[str, str] | None = None
+    results = {}
+    for rid, run in unique.items():
+        path = out / "runs" / f"{rid}.json"
+        if path.exists():
+            results[rid] = json.loads(path.read_text())
+            if bar is not None:
+                bar.total -= 1
+                bar.refresh()
+            continue
+        if provenance is None:
+            provenance = {"commit": commit(), "machine": machine()}
+        if bar is not None:
+            bar.set_postfix_str(rid, refresh=True)
+        results[rid] = _execute(run, out / "work" / rid, provenance=provenance)
+        _write_json_atomic(path, results[rid])
+        if bar is not None:
+            bar.update(1)
+    return [{**results[run_id(run)], "optimizer": run.optimizer, "variant": run.variant, "x": run.x,
+             "seed": run.seed, **run.tags} for run in runs]

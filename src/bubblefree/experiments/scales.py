@@ -1,0 +1,117 @@
+"""How big the reproduction runs are: ``smoke`` (seconds per run), ``cpu`` (the default) and ``gpu``.
+
+A :class:`Scale` holds the base run (built from the run presets of ``bubblefree.train.presets``), the number
+of seeds, the learning-rate factors of the synchronous sweep, and the models of the suites that need another
+one (a 32-layer narrow model for the depth-16 schedules, an MoE). Sizing:
+
+- ``smoke``: the ``smoke`` run preset (llama-1m, byte tokenizer, 40 steps of 8 x 64 tokens), one seed, a
+  two-point sweep. A run takes 1-2 s on one core, so every suite finishes in a few minutes.
+- ``cpu``: DESIGN.md section 7's prototype (llama-5m at vocabulary 4096, sequence 128, batch 16): 1.5-2
+  minutes per 300 steps on 2 cores. 200 steps and 2 seeds keep the ``optimizers`` suite near half an hour.
+- ``gpu``: SmolLM2-135M's shapes (arXiv 2606.30634 trains 135M/360M) on the embedded corpus with an 8192 BPE
+  vocabulary, sequence 512, batch 32, 2000 steps (33M tokens), 3 seeds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bubblefree.errors import UserError
+from bubblefree.models import PRESETS as MODEL_PRESETS
+from bubblefree.models.llama import ModelArgs
+from bubblefree.train.config import Config, apply_overrides
+from bubblefree.train.presets import get_preset
+
+__all__ = ["SCALES", "Scale", "deep_model_args", "get_scale", "register_deep_models"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Scale:
+    """One size of the reproduction."""
+
+    name: str
+    base: Config
+    """The synchronous-comparable base run; every experiment changes a few keys of it."""
+
+    seeds: int
+    """Seeds per configuration (the synchronous baseline always gets at least 2, for the noise floor)."""
+
+    lr_factors: tuple[float, ...]
+    """The synchronous sweep tries the optimizer's registry default learning rate times each factor."""
+
+    deep_model: str
+    """Model preset with >= 32 layers, so every stage of WPipe's 2P partitions at depth 16 holds a layer."""
+
+    moe_model: str
+    """Model preset of the ``moe`` suite."""
+
+
+# A 32-layer narrow llama per scale: the schedules suite cuts it into up to 2 x 16 partitions. Widths are
+# chosen so a run costs about what the scale's base model costs.
+_DEEP_SHAPES = {"bf-deep-smoke": (32, 2, 64), "bf-deep-cpu": (64, 2, 192), "bf-deep-gpu": (256, 4, 768)}
+
+
+def deep_model_args(name: str, vocab_size: int = 8192) -> ModelArgs:
+    """The ``ModelArgs`` of one of the experiments' deep models (32 layers; see ``_DEEP_SHAPES``)."""
+    dim, heads, hidden = _DEEP_SHAPES[name]
+    return ModelArgs(vocab_size=vocab_size, dim=dim, n_layers=32, n_heads=heads, n_kv_heads=heads,
+                     mlp_hidden=hidden)
+
+
+def register_deep_models() -> None:
+    """Add the deep models to the model presets, so ``model.preset = "bf-deep-cpu"`` validates and builds.
+
+    Additive and idempotent: an existing entry of the same name is left alone. (A permanent preset in
+    ``bubblefree.models.presets`` would make these run folders re-runnable without this package.)
+    """
+    for name in _DEEP_SHAPES:
+        MODEL_PRESETS.setdefault(name, lambda vocab_size=8192, _n=name: deep_model_args(_n, vocab_size))
+
+
+# Evaluation and logging settings shared by every scale's runs: the progress bar is the suite's, not the run's.
+_QUIET = {"log.progress": False, "train.ckpt_every": 0, "train.ckpt_keep": 1}
+
+
+def _smoke() -> Scale:
+    base = apply_overrides(get_preset("smoke"), {
+        **_QUIET, "pipeline.schedule": "sync", "delay.correction": "none",
+        "train.eval_every": 0, "train.eval_batches": 4, "train.log_every": 5,
+    })
+    return Scale(name="smoke", base=base, seeds=1, lr_factors=(0.5, 1.0), deep_model="bf-deep-smoke",
+                 moe_model="moe-20m")
+
+
+def _cpu() -> Scale:
+    base = apply_overrides(get_preset("sync-baseline"), {
+        **_QUIET, "train.steps": 200, "train.eval_every": 50, "train.eval_batches": 8, "train.log_every": 10,
+    })
+    return Scale(name="cpu", base=base, seeds=2, lr_factors=(0.5, 1.0, 2.0), deep_model="bf-deep-cpu",
+                 moe_model="moe-20m")
+
+
+def _gpu() -> Scale:
+    base = apply_overrides(get_preset("sync-baseline"), {
+        **_QUIET, "model.preset": "smollm2-135m", "data.vocab_size": 8192, "train.steps": 2000,
+        "train.batch_size": 32, "train.seq_len": 512, "train.eval_every": 200, "train.eval_batches": 16,
+        "train.log_every": 20, "train.device": "cuda",
+    })
+    return Scale(name="gpu", base=base, seeds=3, lr_factors=(0.5, 1.0, 2.0), deep_model="bf-deep-gpu",
+                 moe_model="moe-20m")
+
+
+SCALES = {"smoke": _smoke, "cpu": _cpu, "gpu": _gpu}
+"""Scale name -> a function returning the :class:`Scale`."""
+
+
+def get_scale(name: str, *, seeds: int | None = None) -> Scale:
+    """The scale ``name`` (``seeds`` replaces its seed count); a UserError for an unknown name, a ValueError
+    for bad seeds."""
+    if name not in SCALES:
+        raise UserError(f"Invalid scale: {name!r} (expected one of {', '.join(SCALES)})")
+    if seeds is not None and (isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1):
+        raise ValueError(f"Invalid seeds: {seeds!r} (must be an integer >= 1)")
+    register_deep_models()
+    scale = SCALES[name]()
+    if seeds is not None:
+        scale = Scale(**{**scale.__dict__, "seeds": seeds})
+    return scale

@@ -1,0 +1,296 @@
+"""The paper's experiments (arXiv 2606.30634) as suites: a list of runs plus how to tabulate and plot them.
+
+Every run is the scale's base run (``experiments.scales``) with a few keys changed; every comparison is made
+at the same ``pipeline.stages`` (so per-stage clipping is the same) and the same learning rate, the one the
+synchronous sweep chose for the optimizer (``sweep_runs`` / ``choose_lrs``). Synchronous baselines always get
+at least two seeds so each gap can be printed beside its noise floor (``experiments.tables``).
+
+| suite | runs (per optimizer) | paper |
+|---|---|---|
+| ``optimizers`` | sync, 2BW async; six optimizers | Table 1 |
+| ``error-feedback`` | sync, async, async + EF; six optimizers | Table 2 |
+| ``momentum`` | sync, async at momentum 0.8 / 0.9 / 0.95 / 0.98; AdamW, Muon | momentum ablation |
+| ``mitigations`` | sync start, sync cooldown, Taylor, EF, Nesterov; AdamW, Muon | mitigation ablation |
+| ``schedules`` | sync, 2BW, PipeDream, WPipe at depth 2 / 4 / 8 / 16 (32-layer model); AdamW, Muon | depth |
+| ``sensitivity`` | sync, async at 0.5x / 2x batch (same tokens), 0.5x / 2x lr, wd 0 / 0.3; AdamW, Muon | ablations |
+| ``moe`` | sync, async, async + EF on a small MoE; AdamW, Muon | MoE result |
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from bubblefree.errors import UserError
+from bubblefree.experiments.runner import Run
+from bubblefree.experiments.scales import Scale
+from bubblefree.experiments.tables import (PAPER_360M, PAPER_MOE, fmt, fmt_mean, fmt_pct, gap_recovered, losses,
+                                           markdown_table, mean, noise_floor)
+from bubblefree.optim import OPTIMIZERS
+from bubblefree.train.config import apply_overrides
+
+__all__ = ["SUITES", "Suite", "choose_lrs", "get_suite", "sweep_runs", "sweep_table"]
+
+Rows = list[dict[str, Any]]
+
+SYNC = {"pipeline.schedule": "sync", "delay.correction": "none"}
+ASYNC = {"pipeline.schedule": "2bw", "delay.correction": "none"}
+EF = {"pipeline.schedule": "2bw", "delay.correction": "ef"}
+ALL_OPTIMIZERS = ("adamw", "muon", "soap", "adan", "lion", "mars")  # the paper's Table 1 order
+MOMENTA = (0.8, 0.9, 0.95, 0.98)
+DEPTHS = (2, 4, 8, 16)
+TAYLOR_LAMBDA = 0.1  # DC-ASGD's lambda; docs/delay.md's example value (the paper gives none we could read)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Suite:
+    name: str
+    title: str
+    optimizers: tuple[str, ...]
+    """Optimizers the suite runs (each gets the synchronous learning-rate sweep first)."""
+
+    runs: Callable[[Scale, dict[str, float]], list[Run]]
+    """``runs(scale, lrs)``: the runs of the optimizers in ``lrs`` (in its order), at their chosen rates."""
+
+    table: Callable[[Rows], str]
+    plots: tuple[tuple[str, str], ...] = ()
+    """``(file stem, kind)`` pairs drawn by ``experiments.plots.draw``."""
+
+
+# ---------------------------------------------------------------------------------------------- run builders
+
+
+def _lr_grid(scale: Scale, optimizer: str) -> list[float]:
+    return [float(f"{OPTIMIZERS[optimizer].lr * f:.3g}") for f in scale.lr_factors]
+
+
+def _runs(scale: Scale, optimizer: str, lr: float, variant: str, overrides: dict[str, Any], *,
+          x: float | None = None, **tags: Any) -> list[Run]:
+    """One run per seed (at least two for ``sync``, for the noise floor) of the base run with ``overrides``."""
+    seeds = max(2, scale.seeds) if variant == "sync" else scale.seeds
+    return [Run(config=apply_overrides(scale.base, {"optim.name": optimizer, "optim.lr": lr, "train.seed": seed,
+                                                    **overrides}), variant=variant, x=x, tags=tags)
+            for seed in range(seeds)]
+
+
+def sweep_runs(scale: Scale, optimizers: tuple[str, ...]) -> list[Run]:
+    """The synchronous learning-rate sweep: seed 0, full length, the registry default times each factor.
+
+    The run at the chosen learning rate is the very run the suites use as synchronous seed 0 (same config,
+    same id), so the sweep costs ``len(lr_factors) - 1`` extra runs per optimizer."""
+    return [Run(config=apply_overrides(scale.base, {"optim.name": opt, "optim.lr": lr, "train.seed": 0, **SYNC}),
+                variant="sweep", x=lr) for opt in optimizers for lr in _lr_grid(scale, opt)]
+
+
+def choose_lrs(rows: Rows) -> dict[str, float]:
+    """The learning rate of the lowest final validation loss per optimizer (a diverged run never wins)."""
+    best: dict[str, tuple[float, float]] = {}
+    for r in rows:
+        loss = r["final_val_loss"] if r["final_val_loss"] is not None else math.inf
+        if r["optimizer"] not in best or loss < best[r["optimizer"]][0]:
+            best[r["optimizer"]] = (loss, r["x"])
+    return {opt: lr for opt, (_, lr) in best.items()}
+
+
+def sweep_table(rows: Rows) -> str:
+    """Final validation loss of every sweep point, the chosen one in bold."""
+    chosen = choose_lrs(rows)
+    out = []
+    for opt in dict.fromkeys(r["optimizer"] for r in rows):
+        cells = [f"lr {r['x']:g}: " + (f"**{fmt(r['final_val_loss'])}**" if r["x"] == chosen[opt] else
+                                       fmt(r["final_val_loss"])) for r in rows if r["optimizer"] == opt]
+        out.append([opt, f"{chosen[opt]:g}", "; ".join(cells)])
+    return markdown_table(["optimizer", "chosen lr", "sync final val loss per lr (seed 0)"], out)
+
+
+def _sync_async_ef(*, ef: bool, extra: Callable[[Scale], dict[str, Any]] | None = None):
+    def runs(scale: Scale, lrs: dict[str, float]) -> list[Run]:
+        over = extra(scale) if extra else {}
+        out = []
+        for opt in lrs:
+            out += _runs(scale, opt, lrs[opt], "sync", {**SYNC, **over})
+            out += _runs(scale, opt, lrs[opt], "async", {**ASYNC, **over})
+            if ef:
+                out += _runs(scale, opt, lrs[opt], "ef", {**EF, **over})
+        return out
+    return runs
+
+
+def _mitigation_variants(scale: Scale) -> dict[str, dict[str, Any]]:
+    k = max(1, scale.base.train.steps // 10)  # 10 % of the run, like the warmup
+    return {
+        "sync": SYNC, "async": ASYNC,
+        f"sync start ({k} steps)": {**ASYNC, "delay.sync_start_steps": k},
+        f"sync cooldown ({k} steps)": {**ASYNC, "delay.sync_cooldown_steps": k},
+        f"Taylor (lambda {TAYLOR_LAMBDA:g})": {**ASYNC, "delay.correction": "taylor",
+                                               "delay.taylor_lambda": TAYLOR_LAMBDA},
+        "Error Feedback": EF,
+        "Nesterov (Ajanthan et al.)": {**ASYNC, "delay.correction": "nesterov"},
+    }
+
+
+def _mitigation_runs(scale: Scale, lrs: dict[str, float]) -> list[Run]:
+    return [run for opt in lrs for variant, over in _mitigation_variants(scale).items()
+            for run in _runs(scale, opt, lrs[opt], variant, over)]
+
+
+def _momentum_runs(scale: Scale, lrs: dict[str, float]) -> list[Run]:
+    return [run for opt in lrs for m in MOMENTA for variant, over in (("sync", SYNC), ("async", ASYNC))
+            for run in _runs(scale, opt, lrs[opt], variant, {**over, "optim.momentum": m}, x=m)]
+
+
+def _schedule_runs(scale: Scale, lrs: dict[str, float]) -> list[Run]:
+    out = []
+    for opt in lrs:
+        for depth in DEPTHS:
+            for schedule in ("sync", "2bw", "pipedream", "wpipe"):
+                over = {"model.preset": scale.deep_model, "pipeline.schedule": schedule, "pipeline.stages": depth,
+                        "delay.correction": "none"}
+                out += _runs(scale, opt, lrs[opt], schedule, over, x=depth)
+    return out
+
+
+def _sensitivity_settings(scale: Scale) -> list[tuple[str, float, dict[str, Any]]]:
+    """(setting, value, overrides). Batch changes keep the tokens: half the batch, twice the steps."""
+    t = scale.base.train
+    return [("baseline", 1.0, {})] + [
+        ("batch size", t.batch_size * f, {"train.batch_size": int(t.batch_size * f),
+                                          "train.steps": int(t.steps / f),
+                                          "train.eval_every": int(t.eval_every / f)}) for f in (0.5, 2.0)
+    ] + [("lr factor", f, {"lr_factor": f}) for f in (0.5, 2.0)] + [
+        ("weight decay", wd, {"optim.weight_decay": wd}) for wd in (0.0, 0.3)]
+
+
+def _sensitivity_runs(scale: Scale, lrs: dict[str, float]) -> list[Run]:
+    out = []
+    for opt in lrs:
+        for setting, value, over in _sensitivity_settings(scale):
+            over = dict(over)
+            lr = lrs[opt] * over.pop("lr_factor", 1.0)
+            for variant, sched in (("sync", SYNC), ("async", ASYNC)):
+                out += _runs(scale, opt, lr, variant, {**sched, **over}, x=value, setting=setting)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- tables
+
+
+def _gap_cells(rows: Rows, **match: Any) -> tuple[list[float], list[float], str, str]:
+    sync, delayed = losses(rows, variant="sync", **match), losses(rows, variant="async", **match)
+    return sync, delayed, fmt(mean(delayed) - mean(sync)), fmt(noise_floor(sync))
+
+
+def _optimizers_table(rows: Rows) -> str:
+    out = []
+    for opt in dict.fromkeys(r["optimizer"] for r in rows):
+        sync, delayed, gap, noise = _gap_cells(rows, optimizer=opt)
+        ps, pa, _ = PAPER_360M.get(opt, (None, None, None))
+        lr = next(r["config"]["optim"]["lr"] for r in rows if r["optimizer"] == opt)
+        out.append([opt, f"{lr:g}", fmt_mean(sync), fmt_mean(delayed), gap, noise, fmt(ps), fmt(pa),
+                    fmt(pa - ps) if ps and pa else "-"])
+    return markdown_table(["optimizer", "lr", "sync", "async (2BW, d=1)", "gap", "noise floor",
+                           "paper sync", "paper async", "paper gap"], out)
+
+
+def _ef_table(rows: Rows, paper: Callable[[str], tuple] = lambda opt: PAPER_360M.get(opt, (None,) * 3)) -> str:
+    out = []
+    for opt in dict.fromkeys(r["optimizer"] for r in rows):
+        sync, delayed, gap, noise = _gap_cells(rows, optimizer=opt)
+        ef = losses(rows, variant="ef", optimizer=opt)
+        ps, pa, pe = paper(opt)
+        paper_rec = fmt_pct(gap_recovered(ps, pa, pe)) if None not in (ps, pa, pe) else "-"
+        out.append([opt, fmt_mean(sync), fmt_mean(delayed), fmt_mean(ef), gap, noise,
+                    fmt_pct(gap_recovered(mean(sync), mean(delayed), mean(ef))),
+                    " / ".join(fmt(v) for v in (ps, pa, pe)), paper_rec])
+    return markdown_table(["optimizer", "sync", "async", "async + EF", "gap", "noise floor", "gap recovered",
+                           "paper sync / async / EF", "paper recovered"], out)
+
+
+def _moe_table(rows: Rows) -> str:
+    return _ef_table(rows, paper=lambda opt: PAPER_MOE if opt == "muon" else (None,) * 3) + (
+        "\n\nThe paper's MoE numbers (10B MoE, 200B tokens, Muon presumed) are in the Muon row.")
+
+
+def _momentum_table(rows: Rows) -> str:
+    out = []
+    for opt in dict.fromkeys(r["optimizer"] for r in rows):
+        for m in MOMENTA:
+            sync, delayed, gap, noise = _gap_cells(rows, optimizer=opt, x=m)
+            out.append([opt, f"{m:g}", fmt_mean(sync), fmt_mean(delayed), gap, noise])
+    return markdown_table(["optimizer", "momentum", "sync", "async", "gap", "noise floor"], out)
+
+
+def _mitigations_table(rows: Rows) -> str:
+    opts = list(dict.fromkeys(r["optimizer"] for r in rows))
+    out = []
+    for variant in dict.fromkeys(r["variant"] for r in rows):
+        row = [variant]
+        for opt in opts:
+            sync, delayed = losses(rows, variant="sync", optimizer=opt), losses(rows, variant="async", optimizer=opt)
+            mine = losses(rows, variant=variant, optimizer=opt)
+            rec = gap_recovered(mean(sync), mean(delayed), mean(mine)) if variant not in ("sync", "async") else math.nan
+            row += [fmt_mean(mine), fmt_pct(rec)]
+        out.append(row)
+    out.append(["noise floor (sync seeds)"] + [c for opt in opts for c in
+                                              (fmt(noise_floor(losses(rows, variant="sync", optimizer=opt))), "")])
+    return markdown_table(["method"] + [c for opt in opts for c in (opt, "gap recovered")], out)
+
+
+def _schedules_table(rows: Rows) -> str:
+    out = []
+    for opt in dict.fromkeys(r["optimizer"] for r in rows):
+        for depth in DEPTHS:
+            sync = losses(rows, optimizer=opt, x=depth, variant="sync")
+            gaps = [fmt(mean(losses(rows, optimizer=opt, x=depth, variant=s)) - mean(sync))
+                    for s in ("2bw", "pipedream", "wpipe")]
+            out.append([opt, str(depth), fmt_mean(sync), *gaps, fmt(noise_floor(sync))])
+    return markdown_table(["optimizer", "depth P", "sync", "2BW gap", "PipeDream gap", "WPipe gap", "noise floor"],
+                          out)
+
+
+def _sensitivity_table(rows: Rows) -> str:
+    opts = list(dict.fromkeys(r["optimizer"] for r in rows))
+    out = []
+    for setting in dict.fromkeys(r["setting"] for r in rows):
+        for value in dict.fromkeys(r["x"] for r in rows if r["setting"] == setting):
+            row = [setting, f"{value:g}"]
+            for opt in opts:
+                sync, delayed, gap, noise = _gap_cells(rows, optimizer=opt, setting=setting, x=value)
+                row += [fmt_mean(sync), fmt_mean(delayed), gap, noise]
+            out.append(row)
+    header = ["setting", "value"] + [f"{opt} {c}" for opt in opts for c in ("sync", "async", "gap", "noise")]
+    return markdown_table(header, out)
+
+
+SUITES: dict[str, Suite] = {s.name: s for s in (
+    Suite(name="optimizers", title="Sync vs PipeDream-2BW async per optimizer (the paper's Table 1)",
+          optimizers=ALL_OPTIMIZERS, runs=_sync_async_ef(ef=False), table=_optimizers_table,
+          plots=(("optimizers-curves", "curves"),)),
+    Suite(name="error-feedback", title="Async vs async + Error Feedback per optimizer (the paper's Table 2)",
+          optimizers=ALL_OPTIMIZERS, runs=_sync_async_ef(ef=True), table=_ef_table,
+          plots=(("error-feedback-curves", "curves"),)),
+    Suite(name="momentum", title="The sync-async gap against momentum", optimizers=("adamw", "muon"),
+          runs=_momentum_runs, table=_momentum_table, plots=(("momentum-gap", "gap"),)),
+    Suite(name="mitigations", title="Mitigations of the one-step delay", optimizers=("adamw", "muon"),
+          runs=_mitigation_runs, table=_mitigations_table, plots=(("mitigations-curves", "curves"),)),
+    Suite(name="schedules", title="PipeDream vs 2BW vs WPipe against pipeline depth", optimizers=("adamw", "muon"),
+          runs=_schedule_runs, table=_schedules_table, plots=(("schedules-gap", "gap"),)),
+    Suite(name="sensitivity", title="Batch size, learning rate and weight decay", optimizers=("adamw", "muon"),
+          runs=_sensitivity_runs, table=_sensitivity_table),
+    Suite(name="moe", title="Sync / async / async + EF on a small MoE", optimizers=("adamw", "muon"),
+          runs=_sync_async_ef(ef=True, extra=lambda scale: {"model.preset": scale.moe_model}),
+          table=_moe_table, plots=(("moe-curves", "curves"),)),
+)}
+"""Suite name -> :class:`Suite`."""
+
+
+def get_suite(name: str) -> Suite:
+    """The suite ``name``, or a UserError naming the suites."""
+    if name not in SUITES:
+        close = difflib.get_close_matches(name, list(SUITES), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise UserError(f"Invalid suite: {name!r}{hint}; suites: {', '.join(SUITES)}")
+    return SUITES[name]

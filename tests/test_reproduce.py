@@ -1,0 +1,136 @@
+"""`bubblefree reproduce`: suites build valid runs, the statistics are right, and a smoke suite runs end to end
+(one JSON per run, table, plot, learning rate chosen by the sweep, finished runs skipped on a re-run)."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+
+import pytest
+
+from bubblefree.cli import main
+from bubblefree.experiments import SUITES, get_scale, run_id
+from bubblefree.experiments import runner as runner_module
+from bubblefree.experiments.runner import Run
+from bubblefree.experiments.suites import choose_lrs, sweep_runs
+from bubblefree.experiments.tables import gap_recovered, noise_floor
+from bubblefree.models import PRESETS as MODEL_PRESETS
+from bubblefree.schedules.delays import n_partitions
+from bubblefree.train.config import apply_overrides, validate
+
+
+def test_noise_floor_and_gap_recovered_by_hand():
+    # pairs (1.0, 1.2), (1.0, 1.1), (1.2, 1.1): |differences| 0.2, 0.1, 0.1 -> mean 0.4 / 3
+    assert noise_floor([1.0, 1.2, 1.1]) == pytest.approx(0.4 / 3, abs=1e-12)
+    assert math.isnan(noise_floor([1.0]))
+    # the paper's AdamW row (DESIGN.md section 2): (2.890 - 2.640) / (2.890 - 2.612) = 0.8993
+    assert gap_recovered(2.612, 2.890, 2.640) == pytest.approx(0.25 / 0.278, abs=1e-12)
+    assert math.isnan(gap_recovered(3.0, 2.9, 2.8))  # no gap: nothing to recover
+
+
+def test_choose_lrs_skips_diverged_runs():
+    rows = [{"optimizer": "adamw", "x": 1e-3, "final_val_loss": None},
+            {"optimizer": "adamw", "x": 5e-4, "final_val_loss": 4.0},
+            {"optimizer": "adamw", "x": 2.5e-4, "final_val_loss": 4.5},
+            {"optimizer": "muon", "x": 0.02, "final_val_loss": 3.0}]
+    assert choose_lrs(rows) == {"adamw": 5e-4, "muon": 0.02}
+
+
+def test_run_id_is_a_function_of_what_the_run_computes():
+    base = get_scale("smoke").base
+    a = Run(config=base, variant="sync")
+    assert run_id(a) == run_id(Run(config=apply_overrides(base, {"log.progress": True}), variant="other"))
+    assert run_id(a) != run_id(Run(config=apply_overrides(base, {"optim.lr": 1e-3}), variant="sync"))
+    assert run_id(a) != run_id(Run(config=apply_overrides(base, {"train.seed": 1}), variant="sync"))
+
+
+@pytest.mark.parametrize("scale", ["smoke", "cpu", "gpu"])
+@pytest.mark.parametrize("suite", list(SUITES))
+def test_every_suite_builds_valid_comparable_runs(suite, scale):
+    sc = get_scale(scale)
+    spec = SUITES[suite]
+    lrs = {opt: 1e-3 * (i + 1) for i, opt in enumerate(spec.optimizers)}
+    runs = spec.runs(sc, lrs) + sweep_runs(sc, spec.optimizers)
+    for run in runs:
+        config = validate(run.config)
+        n_layers = MODEL_PRESETS[config.model.preset]().n_layers
+        assert n_partitions(config.pipeline.schedule, config.pipeline.stages) <= n_layers
+    for opt in spec.optimizers:
+        mine = [r for r in runs if r.optimizer == opt and r.variant != "sweep"]
+        assert mine
+        groups = {}
+        for r in mine:
+            groups.setdefault((r.x, r.tags.get("setting")), []).append(r)
+        for group in groups.values():
+            sync = [r for r in group if r.variant == "sync"]
+            assert len({r.seed for r in sync}) >= 2, "every gap needs two sync seeds for its noise floor"
+            # everything a gap compares differs from its sync baseline only in the delay keys
+            keys = {(r.config.pipeline.stages, r.config.optim.lr, r.config.model.preset, r.config.train.steps,
+                     r.config.train.batch_size, r.config.optim.momentum, r.config.optim.weight_decay)
+                    for r in group}
+            assert len(keys) == 1, keys
+        if suite == "sensitivity":  # batch changes keep the token budget
+            tokens = {r.config.train.steps * r.config.train.batch_size for r in mine}
+            assert len(tokens) == 1
+
+
+def _read_runs(out):
+    return {p.stem: json.loads(p.read_text()) for p in (out / "runs").glob("*.json")}
+
+
+def test_smoke_suite_end_to_end_and_skip_on_rerun(tmp_path, monkeypatch):
+    out = tmp_path / "results"
+    argv = ["reproduce", "optimizers", "--scale", "smoke", "--out", str(out), "--optimizers", "adamw,muon"]
+    assert main(argv) == 0
+
+    runs = _read_runs(out)
+    # per optimizer: a 2-point sync sweep (one of which is sync seed 0), sync seed 1, async seed 0
+    assert len(runs) == 8
+    for rid, rec in runs.items():
+        assert rec["id"] == rid and math.isfinite(rec["final_val_loss"])
+        assert rec["val_curve"][-1][2] == rec["final_val_loss"] and len(rec["train_curve"]) == 8
+        assert rec["wall_time_s"] > 0 and rec["commit"] and rec["config"]["train"]["steps"] == 40
+    sweep = {}
+    for rec in runs.values():
+        if rec["config"]["pipeline"]["schedule"] == "sync" and rec["config"]["train"]["seed"] == 0:
+            sweep.setdefault(rec["config"]["optim"]["name"], []).append(rec)
+    table = (out / "optimizers.md").read_text()
+    results = table.partition("## Results")[2]
+    for opt in ("adamw", "muon"):
+        assert len(sweep[opt]) == 2
+        best = min(sweep[opt], key=lambda r: r["final_val_loss"])
+        lr = best["config"]["optim"]["lr"]
+        mine = [r for r in runs.values() if r["config"]["optim"]["name"] == opt and r["config"]["optim"]["lr"] == lr]
+        sync = [r["final_val_loss"] for r in mine if r["config"]["pipeline"]["schedule"] == "sync"]
+        (delayed,) = [r["final_val_loss"] for r in mine if r["config"]["pipeline"]["schedule"] == "2bw"]
+        assert len(sync) == 2
+        row = next(line for line in results.splitlines() if line.startswith(f"| {opt} | {lr:g} |"))
+        assert f"{statistics.fmean(sync):.3f} ± {statistics.stdev(sync):.3f}" in row
+        assert f"| {delayed - statistics.fmean(sync):.3f} | {abs(sync[0] - sync[1]):.3f} |" in row
+    assert "| 2.612 | 2.890 | 0.278 |" in table  # the paper's AdamW row beside ours
+    assert (out / "optimizers-curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # An interrupted re-run: one JSON lost and a partial training folder left; only that run is redone.
+    lost = sorted(runs)[0]
+    (out / "runs" / f"{lost}.json").unlink()
+    (out / "work" / lost / "run" / "metrics.jsonl").write_text("torn")
+    executed = []
+    real = runner_module._execute
+    monkeypatch.setattr(runner_module, "_execute", lambda run, work, **kw: executed.append(work.name) or
+                        real(run, work, **kw))
+    assert main(argv) == 0
+    assert executed == [lost]
+    again = _read_runs(out)
+    assert again.keys() == runs.keys()
+    assert again[lost]["final_val_loss"] == runs[lost]["final_val_loss"]  # deterministic: same seed, same data
+    assert main(argv) == 0 and executed == [lost]  # nothing left to run
+
+
+def test_cli_rejects_bad_input(tmp_path, capsys):
+    assert main(["reproduce", "optimisers", "--scale", "smoke", "--out", str(tmp_path)]) == 2
+    assert "did you mean 'optimizers'" in capsys.readouterr().err
+    assert main(["reproduce", "momentum", "--scale", "smoke", "--out", str(tmp_path),
+                 "--optimizers", "soap"]) == 2
+    assert main(["reproduce", "momentum", "--scale", "smoke", "--seeds", "0", "--out", str(tmp_path)]) == 2
+    assert not (tmp_path / "runs").exists()
