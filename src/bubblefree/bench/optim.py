@@ -22,7 +22,7 @@ from torch import nn
 
 from bubblefree.optim.registry import OPTIMIZERS
 
-__all__ = ["MATRIX_SHAPES", "run"]
+__all__ = ["MATRIX_SHAPES", "VECTOR_SHAPES", "run"]
 
 MATRIX_SHAPES = [(1536, 512), (512, 512), (2048, 512), (512, 2048)] * 3 + [(1024, 512)]
 """13 matrices, 9.96M parameters: three blocks of a d=512 transformer plus an output-sized matrix."""
@@ -45,6 +45,12 @@ def _muon_ref(params, ns_fp32: bool):
     return opt
 
 
+def _po(name: str, params, **hparams) -> torch.optim.Optimizer:
+    """The reference with our class defaults where pytorch-optimizer's differ (its Lion, Adan and MARS default
+    to no weight decay, which would skip whole passes and make the comparison unfair)."""
+    return OPTIMIZERS[name].reference(params, **hparams)
+
+
 def _pairs(device: torch.device):
     """name -> (ours(params), reference(params), reference label); matrices only for Muon, like its reference."""
     cpu = device.type == "cpu"
@@ -55,16 +61,30 @@ def _pairs(device: torch.device):
                              "torch AdamW fused"),
         "muon": (lambda ps: OPTIMIZERS["muon"].cls(ps), lambda ps: _muon_ref(ps, ns_fp32=cpu),
                  "torch Muon" + (" (fp32 NS)" if cpu else "")),
-        "lion": (lambda ps: OPTIMIZERS["lion"].cls(ps), OPTIMIZERS["lion"].reference, "pytorch-optimizer Lion"),
-        "adan": (lambda ps: OPTIMIZERS["adan"].cls(ps), OPTIMIZERS["adan"].reference, "pytorch-optimizer Adan"),
-        "mars": (lambda ps: OPTIMIZERS["mars"].cls(ps), OPTIMIZERS["mars"].reference, "pytorch-optimizer MARS"),
-        "soap": (lambda ps: OPTIMIZERS["soap"].cls(ps), OPTIMIZERS["soap"].reference, "pytorch-optimizer SOAP"),
+        "lion": (lambda ps: OPTIMIZERS["lion"].cls(ps), lambda ps: _po("lion", ps, lr=1e-4, betas=(0.95, 0.98),
+                 weight_decay=0.5), "pytorch-optimizer Lion"),
+        "adan": (lambda ps: OPTIMIZERS["adan"].cls(ps), lambda ps: _po("adan", ps, lr=2.5e-3, weight_decay=0.05),
+                 "pytorch-optimizer Adan (proximal decay)"),
+        "mars": (lambda ps: OPTIMIZERS["mars"].cls(ps), lambda ps: _po("mars", ps, lr=6e-3, weight_decay=0.1),
+                 "pytorch-optimizer MARS"),
+        "soap": (lambda ps: OPTIMIZERS["soap"].cls(ps), lambda ps: _po("soap", ps), "pytorch-optimizer SOAP"),
     }
 
 
+def _tensors(value) -> list[torch.Tensor]:
+    """Tensors in one state value: a tensor, or tensors nested in lists, tuples and dicts (SOAP's GG and Q)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
 def _state_bytes_per_param(opt: torch.optim.Optimizer, n_params: int) -> float:
-    total = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
-                if isinstance(t, torch.Tensor) and t.ndim > 0)
+    """Bytes of optimizer state per parameter; 0-d tensors (step counters) are left out."""
+    total = sum(t.numel() * t.element_size() for s in opt.state.values() for t in _tensors(s) if t.ndim > 0)
     return total / n_params
 
 

@@ -27,16 +27,21 @@ import math
 import torch
 from torch import Tensor
 
-from bubblefree.optim.base import UpdateOptimizer, check_betas, check_nonneg
+from bubblefree.optim.base import UpdateOptimizer, check_betas, check_nonneg, use_foreach
 
 __all__ = ["Adan", "adan_updates"]
 
 
 def adan_updates(params: list[Tensor], grads: list[Tensor], state: dict[str, list[Tensor]], *, step: float, lr: float,
                  betas: tuple[float, float, float], eps: float, weight_decay: float, prox: bool = True,
-                 foreach: bool = True) -> list[Tensor]:
+                 foreach: bool = True, out: list[Tensor] | None = None) -> list[Tensor]:
     """Advance ``state`` (lists ``exp_avg``, ``exp_avg_diff``, ``exp_avg_sq``, ``previous_grad``) in place and
-    return fresh Adan updates for step ``step`` (1-based). ``foreach=False`` is the per-tensor reference."""
+    return Adan updates for step ``step`` (1-based), written into ``out`` (buffers shaped like ``params``)
+    when given, else into new tensors. ``foreach=False`` is the per-tensor reference.
+
+    No other tensor is allocated: ``previous_grad`` is the scratch space, holding ``d_t``, then
+    ``g + beta2 d_t``, then ``D``, before it takes ``g`` at the end (as pytorch-optimizer reuses it).
+    """
     if not params:
         return []
     lr = float(lr)
@@ -45,41 +50,45 @@ def adan_updates(params: list[Tensor], grads: list[Tensor], state: dict[str, lis
     c2 = lr * beta2 / (1 - beta2**step)
     bc3 = math.sqrt(1 - beta3**step)
     m, n, v, prev = state["exp_avg"], state["exp_avg_diff"], state["exp_avg_sq"], state["previous_grad"]
-    if foreach:
-        diffs = torch._foreach_sub(grads, prev)
+    if out is None:
+        out = [torch.empty_like(p, memory_format=torch.preserve_format) for p in params]
+    if foreach:  # foreach ops have no out=: the few out-of-place steps loop over tensors, one kernel each
+        for g, d in zip(grads, prev, strict=True):
+            torch.sub(g, d, out=d)  # prev holds d_t
         torch._foreach_lerp_(m, grads, 1 - beta1)
-        torch._foreach_lerp_(n, diffs, 1 - beta2)
-        torch._foreach_mul_(diffs, beta2)
-        torch._foreach_add_(diffs, grads)  # diffs now hold g + beta2 d
+        torch._foreach_lerp_(n, prev, 1 - beta2)
+        torch._foreach_mul_(prev, beta2)
+        torch._foreach_add_(prev, grads)  # prev holds z = g + beta2 d_t
         torch._foreach_mul_(v, beta3)
-        torch._foreach_addcmul_(v, diffs, diffs, 1 - beta3)
-        denoms = torch._foreach_sqrt(v)
-        torch._foreach_div_(denoms, bc3)
-        torch._foreach_add_(denoms, eps)
-        updates = torch._foreach_mul(params, lr * weight_decay) if weight_decay != 0 else diffs
-        if weight_decay == 0:
-            torch._foreach_zero_(updates)
-        torch._foreach_addcdiv_(updates, m, denoms, c1)
-        torch._foreach_addcdiv_(updates, n, denoms, c2)
+        torch._foreach_addcmul_(v, prev, prev, 1 - beta3)
+        for v_, d in zip(v, prev, strict=True):
+            torch.sqrt(v_, out=d)  # prev holds D
+        torch._foreach_div_(prev, bc3)
+        torch._foreach_add_(prev, eps)
+        if weight_decay != 0:
+            for p, u in zip(params, out, strict=True):
+                torch.mul(p, lr * weight_decay, out=u)
+        else:
+            torch._foreach_zero_(out)
+        torch._foreach_addcdiv_(out, m, prev, c1)
+        torch._foreach_addcdiv_(out, n, prev, c2)
         if weight_decay != 0 and prox:
-            torch._foreach_div_(updates, 1 + lr * weight_decay)
+            torch._foreach_div_(out, 1 + lr * weight_decay)
         torch._foreach_copy_(prev, grads)
-        return updates
-    updates = []
-    for p, g, m_, n_, v_, prev_ in zip(params, grads, m, n, v, prev, strict=True):
-        d = g - prev_
+        return out
+    for p, g, m_, n_, v_, d, u in zip(params, grads, m, n, v, prev, out, strict=True):
+        torch.sub(g, d, out=d)
         m_.lerp_(g, 1 - beta1)
         n_.lerp_(d, 1 - beta2)
         z = d.mul_(beta2).add_(g)
         v_.mul_(beta3).addcmul_(z, z, value=1 - beta3)
-        denom = v_.sqrt().div_(bc3).add_(eps)
-        u = torch.mul(p, lr * weight_decay) if weight_decay != 0 else torch.zeros_like(p)
+        denom = torch.sqrt(v_, out=d).div_(bc3).add_(eps)
+        torch.mul(p, lr * weight_decay, out=u) if weight_decay != 0 else u.zero_()
         u.addcdiv_(m_, denom, value=c1).addcdiv_(n_, denom, value=c2)
         if weight_decay != 0 and prox:
             u.div_(1 + lr * weight_decay)
-        prev_.copy_(g)
-        updates.append(u)
-    return updates
+        d.copy_(g)
+    return out
 
 
 class Adan(UpdateOptimizer):
@@ -87,7 +96,7 @@ class Adan(UpdateOptimizer):
 
     Defaults for LLM pretraining (DESIGN.md section 4; the official GPT-2 345M recipe): lr 2.5e-3 (5-10x
     AdamW's), betas (0.98, 0.92, 0.99), eps 1e-8, weight decay 0.05, proximal decay. The momentum knob is
-    ``betas[0]`` in the code convention (= 1 - paper beta1).
+    ``betas[0]`` in the code convention (= 1 - paper beta1). ``foreach`` as in :class:`~bubblefree.optim.Lion`.
     """
 
     def __init__(self, params, lr: float = 2.5e-3, betas: tuple[float, float, float] = (0.98, 0.92, 0.99),
@@ -122,7 +131,7 @@ class Adan(UpdateOptimizer):
                                                                    "previous_grad")}
             out = adan_updates(sub, [grads[i] for i in idx], lists, step=step, lr=group["lr"], betas=group["betas"],
                                eps=group["eps"], weight_decay=group["weight_decay"], prox=group["prox"],
-                               foreach=group["foreach"] is not False)
+                               foreach=use_foreach(group["foreach"], sub), out=self._out_like(sub))
             for i, u in zip(idx, out):
                 updates[i] = u
         return updates

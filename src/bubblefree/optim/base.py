@@ -10,18 +10,26 @@ shape scaling, decoupled weight decay). No library exposes that, so every optimi
 ``state_dict`` with the standard key names) whose subclasses implement one method,
 :meth:`UpdateOptimizer._group_updates`, that returns the updates of one param group and advances its state
 without touching the parameters or their ``.grad``. ``step()`` is then just
-``apply_updates(params, compute_updates())``.
+``apply_updates(params, compute_updates())`` followed by :meth:`UpdateOptimizer.recycle`.
+
+**Recycled update buffers.** On CPU, the first write to freshly allocated memory costs a page fault per
+4 KiB page; for an elementwise optimizer that is several times the arithmetic of the whole step (measured:
+a fresh 10M-float list costs about 10-30 ms, an in-place pass over it 1-2 ms). So updates that nobody reads
+any more can be handed back with :meth:`UpdateOptimizer.recycle` (``step()`` and the delay wrapper do), and
+the next :meth:`UpdateOptimizer.compute_updates` writes into them (:meth:`UpdateOptimizer._out_like`)
+instead of allocating. A recycled tensor is no longer visible to anyone, so the contract "fresh update
+tensors" still holds. Cost: the pool holds at most one update per parameter between steps.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["UpdateOptimizer", "apply_updates", "check_betas", "check_nonneg"]
+__all__ = ["UpdateOptimizer", "apply_updates", "check_betas", "check_nonneg", "use_foreach"]
 
 
 def check_nonneg(name: str, value: float) -> None:
@@ -39,6 +47,18 @@ def check_betas(name: str, betas: Sequence[float]) -> None:
             raise ValueError(f"Invalid {name}[{i}]: {beta} (must be in [0, 1))")
 
 
+def use_foreach(flag: bool | None, tensors: Sequence[Tensor]) -> bool:
+    """Resolve an optimizer's ``foreach`` option: True/False as given; None picks foreach except on CPU.
+
+    On CPU a foreach op is a loop over the tensors anyway, and running all of one tensor's operations before
+    moving to the next keeps it in cache (a 1-4 MB matrix fits the L3), where foreach streams the whole
+    list through memory once per operation: Lion and Adan steps measured 10-25 % faster per tensor.
+    """
+    if flag is not None:
+        return bool(flag)
+    return not all(t.device.type == "cpu" for t in tensors)
+
+
 @torch.no_grad()
 def apply_updates(params: Sequence[Tensor], updates: Sequence[Tensor | None], *, alpha: float = 1.0) -> None:
     """``x <- x - alpha * u`` for every parameter whose update is not None.
@@ -52,6 +72,10 @@ def apply_updates(params: Sequence[Tensor], updates: Sequence[Tensor | None], *,
     ps = [p for p, _ in pairs]
     us = [u if u.dtype == p.dtype else u.to(p.dtype) for p, u in pairs]
     torch._foreach_add_(ps, us, alpha=-alpha)
+
+
+def _pool_key(x: Tensor) -> tuple:
+    return (tuple(x.shape), x.stride(), x.dtype, x.device)
 
 
 class UpdateOptimizer(torch.optim.Optimizer):
@@ -87,8 +111,44 @@ class UpdateOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        apply_updates(self.params(), self.compute_updates())
+        updates = self.compute_updates()
+        apply_updates(self.params(), updates)
+        self.recycle(updates)
         return loss
+
+    def recycle(self, updates: Iterable[Tensor | None]) -> None:
+        """Hand back updates from :meth:`compute_updates` that nobody will read again (None entries skipped).
+
+        A later :meth:`compute_updates` may overwrite them. Keeps at most as many tensors of each shape,
+        strides, dtype and device as the optimizer has parameters of that kind; the rest are dropped.
+        """
+        pool = self._update_pool()
+        for u in updates:
+            if u is not None:
+                bucket = pool.get(_pool_key(u))
+                if bucket is not None and len(bucket[1]) < bucket[0]:
+                    bucket[1].append(u)
+
+    def _update_pool(self) -> dict[tuple, tuple[int, list[Tensor]]]:
+        # Not in __init__: torch's Optimizer pickles only defaults/state/param_groups, and subclasses' __init__
+        # order varies; built lazily (and rebuilt after unpickling) from the current parameters.
+        pool = self.__dict__.get("_recycled")
+        if pool is None:
+            counts: dict[tuple, int] = {}
+            for p in self.params():
+                counts[_pool_key(p)] = counts.get(_pool_key(p), 0) + 1
+            pool = self.__dict__["_recycled"] = {k: (n, []) for k, n in counts.items()}
+        return pool
+
+    def _out_like(self, tensors: Sequence[Tensor]) -> list[Tensor]:
+        """An uninitialised buffer shaped like each tensor: a recycled update when one fits, else a new one."""
+        pool = self._update_pool()
+        out = []
+        for x in tensors:
+            bucket = pool.get(_pool_key(x))
+            out.append(bucket[1].pop() if bucket and bucket[1]
+                       else torch.empty_like(x, memory_format=torch.preserve_format))
+        return out
 
     def _group_updates(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> list[Tensor]:
         """Return the updates of one param group (same order as ``params``) and advance its state.

@@ -16,33 +16,40 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from bubblefree.optim.base import UpdateOptimizer, check_betas, check_nonneg
+from bubblefree.optim.base import UpdateOptimizer, check_betas, check_nonneg, use_foreach
 
 __all__ = ["Lion", "lion_updates"]
 
 
 def lion_updates(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], *, lr: float, beta1: float,
-                 beta2: float, weight_decay: float, foreach: bool = True) -> list[Tensor]:
-    """Advance ``exp_avgs`` in place and return fresh Lion updates; ``foreach=False`` is the per-tensor reference."""
+                 beta2: float, weight_decay: float, foreach: bool = True,
+                 out: list[Tensor] | None = None) -> list[Tensor]:
+    """Advance ``exp_avgs`` in place and return Lion updates; ``foreach=False`` is the per-tensor reference.
+
+    The updates are written into ``out`` (buffers shaped like ``params``, e.g. recycled updates) when given,
+    else into new tensors. The fast path makes five passes to build ``u_t`` (lerp into ``out``, sign, scale,
+    decay, momentum lerp) plus the apply; the reference's in-place step makes four, with one fresh tensor.
+    """
     lr = float(lr)
     if not params:
         return []
+    if out is None:
+        out = [torch.empty_like(p, memory_format=torch.preserve_format) for p in params]
     if foreach:
-        updates = torch._foreach_lerp(exp_avgs, grads, 1 - beta1)
-        torch._foreach_sign_(updates)
-        torch._foreach_mul_(updates, lr)
+        for u, m, g in zip(out, exp_avgs, grads, strict=True):  # foreach ops have no out=; one kernel each
+            torch.lerp(m, g, 1 - beta1, out=u)
+        torch._foreach_sign_(out)
+        torch._foreach_mul_(out, lr)
         if weight_decay != 0:
-            torch._foreach_add_(updates, params, alpha=lr * weight_decay)
+            torch._foreach_add_(out, params, alpha=lr * weight_decay)
         torch._foreach_lerp_(exp_avgs, grads, 1 - beta2)
-        return updates
-    updates = []
-    for p, g, m in zip(params, grads, exp_avgs, strict=True):
-        u = m.lerp(g, 1 - beta1).sign_().mul_(lr)
+        return out
+    for p, g, m, u in zip(params, grads, exp_avgs, out, strict=True):
+        torch.lerp(m, g, 1 - beta1, out=u).sign_().mul_(lr)
         if weight_decay != 0:
             u.add_(p, alpha=lr * weight_decay)
         m.lerp_(g, 1 - beta2)
-        updates.append(u)
-    return updates
+    return out
 
 
 class Lion(UpdateOptimizer):
@@ -52,6 +59,9 @@ class Lion(UpdateOptimizer):
     (0.95, 0.98), lr 1e-4 (3-10x below AdamW's 6e-4), weight decay 0.5 (3-10x AdamW's 0.1, keeping
     ``lr * wd`` in AdamW's range). The momentum knob sets ``beta2`` (memory) and ``beta1 = 1 - 2.5 (1 - beta2)``
     (the default pair's ratio of time constants); see :mod:`bubblefree.optim.registry`.
+
+    ``foreach``: True batches each operation over the group, False runs one tensor at a time, None (default)
+    picks the faster of the two for the device (:func:`~bubblefree.optim.base.use_foreach`). Same results.
 
     Differences from the reference: none in the math; no cautious/AdaNorm/gradient-centralisation options.
     """
@@ -70,8 +80,9 @@ class Lion(UpdateOptimizer):
             if "exp_avg" not in self.state[p]:
                 self.state[p]["step"] = torch.zeros((), dtype=torch.float32)
                 self.state[p]["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        for p in params:
-            self.state[p]["step"] += 1  # not used by the math; kept so every optimizer reports its step count
+        # not used by the math; kept so every optimizer reports its step count
+        torch._foreach_add_([self.state[p]["step"] for p in params], 1)
         beta1, beta2 = group["betas"]
         return lion_updates(params, grads, [self.state[p]["exp_avg"] for p in params], lr=group["lr"], beta1=beta1,
-                            beta2=beta2, weight_decay=group["weight_decay"], foreach=group["foreach"] is not False)
+                            beta2=beta2, weight_decay=group["weight_decay"],
+                            foreach=use_foreach(group["foreach"], params), out=self._out_like(params))
