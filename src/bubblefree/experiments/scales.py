@@ -7,7 +7,9 @@ one (a 32-layer narrow model for the depth-16 schedules, an MoE). Sizing:
 - ``smoke``: the ``smoke`` run preset (llama-1m, byte tokenizer, 40 steps of 8 x 64 tokens), one seed, a
   two-point sweep. A run takes 1-2 s on one core, so every suite finishes in a few minutes.
 - ``cpu``: DESIGN.md section 7's prototype (llama-5m at vocabulary 4096, sequence 128, batch 16): 1.5-2
-  minutes per 300 steps on 2 cores. 200 steps and 2 seeds keep the ``optimizers`` suite near half an hour.
+  minutes per 300 steps on 2 idle cores. 200 steps and 2 seeds keep the ``optimizers`` suite near half an hour
+  there. One thread per run: on a shared machine a second thread waiting for a busy core made steps many
+  times slower (measured here: 20 steps in 20 s on one thread, under 30 steps in 5 minutes on two).
 - ``gpu``: SmolLM2-135M's shapes (arXiv 2606.30634 trains 135M/360M) on the embedded corpus with an 8192 BPE
   vocabulary, sequence 512, batch 32, 2000 steps (33M tokens), 3 seeds.
 """
@@ -46,9 +48,9 @@ class Scale:
     """Model preset of the ``moe`` suite."""
 
 
-# A 32-layer narrow llama per scale: the schedules suite cuts it into up to 2 x 16 partitions. Widths are
-# chosen so a run costs about what the scale's base model costs.
-_DEEP_SHAPES = {"bf-deep-smoke": (32, 2, 64), "bf-deep-cpu": (64, 2, 192), "bf-deep-gpu": (256, 4, 768)}
+# A 32-layer narrow llama per scale, (dim, heads, MLP width): the schedules suite cuts it into up to 2 x 16
+# partitions. Names carry the total parameter count at the default vocabulary 8192, as the model presets' do.
+_DEEP_SHAPES = {"deep-1m": (32, 2, 112), "deep-3m": (64, 2, 240), "deep-30m": (256, 4, 768)}
 
 
 def deep_model_args(name: str, vocab_size: int = 8192) -> ModelArgs:
@@ -59,7 +61,7 @@ def deep_model_args(name: str, vocab_size: int = 8192) -> ModelArgs:
 
 
 def register_deep_models() -> None:
-    """Add the deep models to the model presets, so ``model.preset = "bf-deep-cpu"`` validates and builds.
+    """Add the deep models to the model presets, so ``model.preset = "deep-3m"`` validates and builds.
 
     Additive and idempotent: an existing entry of the same name is left alone. (A permanent preset in
     ``bubblefree.models.presets`` would make these run folders re-runnable without this package.)
@@ -77,15 +79,16 @@ def _smoke() -> Scale:
         **_QUIET, "pipeline.schedule": "sync", "delay.correction": "none",
         "train.eval_every": 0, "train.eval_batches": 4, "train.log_every": 5,
     })
-    return Scale(name="smoke", base=base, seeds=1, lr_factors=(0.5, 1.0), deep_model="bf-deep-smoke",
+    return Scale(name="smoke", base=base, seeds=1, lr_factors=(0.5, 1.0), deep_model="deep-1m",
                  moe_model="moe-20m")
 
 
 def _cpu() -> Scale:
     base = apply_overrides(get_preset("sync-baseline"), {
         **_QUIET, "train.steps": 200, "train.eval_every": 50, "train.eval_batches": 8, "train.log_every": 10,
+        "train.threads": 1,
     })
-    return Scale(name="cpu", base=base, seeds=2, lr_factors=(0.5, 1.0, 2.0), deep_model="bf-deep-cpu",
+    return Scale(name="cpu", base=base, seeds=2, lr_factors=(0.5, 1.0, 2.0), deep_model="deep-3m",
                  moe_model="moe-20m")
 
 
@@ -95,7 +98,7 @@ def _gpu() -> Scale:
         "train.batch_size": 32, "train.seq_len": 512, "train.eval_every": 200, "train.eval_batches": 16,
         "train.log_every": 20, "train.device": "cuda",
     })
-    return Scale(name="gpu", base=base, seeds=3, lr_factors=(0.5, 1.0, 2.0), deep_model="bf-deep-gpu",
+    return Scale(name="gpu", base=base, seeds=3, lr_factors=(0.5, 1.0, 2.0), deep_model="deep-30m",
                  moe_model="moe-20m")
 
 
