@@ -61,6 +61,12 @@ def _check_int(name: str, value: Any, *, low: int = 0) -> int:
     return value
 
 
+def _can_hold(buf: Tensor, p: Tensor) -> bool:
+    """Whether ``buf`` can become ``p``'s storage: same layout, and a whole storage of its own."""
+    return (buf.shape == p.shape and buf.stride() == p.stride() and buf.dtype == p.dtype and buf.device == p.device
+            and buf.storage_offset() == 0 and buf.untyped_storage().nbytes() == buf.numel() * buf.element_size())
+
+
 class DelayedOptimizer:
     """Wrap ``optimizer`` so each parameter's gradient is taken at its stale weights ``x_{t-d_p}`` (see module doc).
 
@@ -232,25 +238,42 @@ class DelayedOptimizer:
         if self.correction == "nesterov":
             self._apply_nesterov(updates, delays, slot)
             return
-        # x_{t+1} = x_t - c u_t + beta u_{t-d}: c = 1 + beta with EF (u_{t-d} in slot t % d), else c = 1
-        ef = self.correction == "ef"
+        # x_{t+1} = x_t - c u_t + beta u_{t-d}: c = 1 + beta with EF (u_{t-d} in slot t % d), else c = 1.
+        # x_{t+1} is written over a tensor that is dead after this step, in place where it can be: u_t without EF,
+        # u_{t-d} with EF (an in-place write skips the read-for-ownership of a fresh destination, one memory pass).
+        # That tensor becomes the parameter's storage, x_t goes into the slot, and x_{t-d}'s storage, now unused,
+        # goes back to the optimizer for its next updates (module docstring, Memory).
+        ef, beta = self.correction == "ef", self.ef_beta
         fresh = [(p, u) for p, u, d in zip(self._params, updates, delays) if d == 0]
         apply_updates([p for p, _ in fresh], [u for _, u in fresh])  # d = 0: EF's correction is u_t - u_t = 0
+        dead = [u for _, u in fresh]  # updates nobody reads again go back to the optimizer (no page faults)
         for i, (p, u, d) in enumerate(zip(self._params, updates, delays)):
             if d == 0:
                 continue
-            new = self._stash[i][slot[i]]
+            stale = self._stash[i][slot[i]]  # x_{t-d}: its forward and backward are done
+            old = self._ef[i][slot[i]] if ef else None
             if u is None:
-                new.copy_(p)
-            else:
-                torch.add(p, u.to(p.dtype), alpha=-(1.0 + self.ef_beta) if ef else -1.0, out=new)
-            if ef:
-                old = self._ef[i][slot[i]]
+                new = stale.copy_(p)
                 if old is not None:
-                    new.add_(old.to(p.dtype), alpha=self.ef_beta)
+                    new.add_(old.to(p.dtype), alpha=beta)  # u_t = 0: x_{t+1} = x_t + beta u_{t-d}
+            elif not ef and _can_hold(u, p):
+                new = torch.add(p, u, alpha=-1.0, out=u)
+            elif old is not None and _can_hold(old, p):
+                new = torch.add(p, old, alpha=beta, out=old).add_(u, alpha=-(1.0 + beta))
+            else:
+                new = torch.add(p, u.to(p.dtype), alpha=-(1.0 + beta) if ef else -1.0, out=stale)
+                if old is not None:
+                    new.add_(old.to(p.dtype), alpha=beta)
+            if ef:
                 self._ef[i][slot[i]] = u
+            dead.extend(x for x in (stale, old if ef else u) if x is not None and x is not new)  # now unused
             self._stash[i][slot[i]] = p.data  # x_t stays in the slot, x_{t+1} becomes the parameter
             p.data = new
+        self._recycle(dead)
+
+    def _recycle(self, dead: list[Tensor | None]) -> None:
+        if isinstance(self.optimizer, UpdateOptimizer):
+            self.optimizer.recycle(dead)
 
     def _apply_nesterov(self, updates: list[Tensor | None], delays: list[int], slot: list[int]) -> None:
         gamma = self.nesterov_gamma
@@ -269,6 +292,7 @@ class DelayedOptimizer:
             if d > 0:
                 self._stash[i][slot[i]] = p.data
                 p.data = new
+        self._recycle(updates)  # b holds its own copy
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)

@@ -12,14 +12,16 @@ decay term (tests: relative 1e-6 after 30 steps).
 
 Three paths compute the same ``u_t`` behind :func:`adamw_updates`: ``single`` (the per-tensor reference,
 easiest to read), ``foreach`` (one kernel per operation over the whole list) and ``fused``, which runs
-torch's fused Adam kernel (the one ``torch.optim.AdamW(fused=True)`` uses) on a buffer that starts at
-``-lr wd x``: the kernel subtracts the Adam step from it, so the buffer ends at exactly ``-u_t`` and one
-negation returns ``u_t``. No parameter difference is taken, so nothing is lost to cancellation.
+torch's fused Adam kernel (the one ``torch.optim.AdamW(fused=True)`` uses) with learning rate ``-lr`` on a
+buffer that starts at ``lr wd x``: the kernel subtracts ``-lr`` times the Adam step from it, so the buffer
+ends at exactly ``u_t``. No parameter difference is taken, so nothing is lost to cancellation. The fused
+path writes into recycled buffers (``out``, :meth:`~bubblefree.optim.base.UpdateOptimizer.recycle`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -75,14 +77,18 @@ def _foreach_adamw(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, be
     return updates
 
 
-def _fused_adamw(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2, eps, weight_decay):
-    # buf = -lr wd x; the kernel computes buf <- buf - adam_step, so buf = -u exactly as the foreach path rounds it.
-    bufs = (torch._foreach_mul(params, -lr * weight_decay) if weight_decay != 0
-            else [torch.zeros_like(p) for p in params])
+def _fused_adamw(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2, eps, weight_decay, out=None):
+    # buf = lr wd x; the kernel run with -lr computes buf <- buf + adam_step = u, rounded exactly as the negation
+    # of buf = -lr wd x minus the step (round-to-nearest is symmetric), so no separate negation pass.
+    bufs = out if out is not None else [torch.empty_like(p, memory_format=torch.preserve_format) for p in params]
+    if weight_decay != 0:
+        for p, b in zip(params, bufs, strict=True):
+            torch.mul(p, lr * weight_decay, out=b)
+    else:
+        torch._foreach_zero_(bufs)
     torch._foreach_add_(steps, 1)
     torch._fused_adam_(bufs, list(grads), list(exp_avgs), list(exp_avg_sqs), [], list(steps), amsgrad=False,
-                       lr=lr, beta1=beta1, beta2=beta2, weight_decay=0.0, eps=eps, maximize=False)
-    torch._foreach_neg_(bufs)
+                       lr=-lr, beta1=beta1, beta2=beta2, weight_decay=0.0, eps=eps, maximize=False)
     return bufs
 
 
@@ -91,17 +97,19 @@ _PATHS = {"single": _single_tensor_adamw, "foreach": _foreach_adamw, "fused": _f
 
 def adamw_updates(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
                   steps: list[Tensor], *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-                  impl: str = "foreach") -> list[Tensor]:
+                  impl: str = "foreach", out: list[Tensor] | None = None) -> list[Tensor]:
     """Advance the moments and ``steps`` in place and return fresh AdamW updates ``u_t`` (module docstring).
 
     ``impl`` picks the path: ``single`` (reference), ``foreach`` or ``fused``. ``params``/``grads`` are only read.
+    ``out`` (buffers shaped like ``params``) is where the fused path writes ``u_t``; the others allocate.
     """
     if impl not in _PATHS:
         raise ValueError(f"Invalid impl: {impl!r} (expected one of {', '.join(_IMPLS)})")
     if not params:
         return []
+    extra = {"out": out} if impl == "fused" else {}
     return _PATHS[impl](params, grads, exp_avgs, exp_avg_sqs, steps, lr=float(lr), beta1=beta1, beta2=beta2,
-                        eps=eps, weight_decay=weight_decay)
+                        eps=eps, weight_decay=weight_decay, **extra)
 
 
 def pick_impl(params: list[Tensor], foreach: bool | None, fused: bool | None) -> str:
@@ -133,7 +141,7 @@ class AdamW(UpdateOptimizer):
         super().__init__(params, defaults)
 
     def _group_updates(self, group, params, grads):
-        return adamw_group_updates(self.state, group, params, grads)
+        return adamw_group_updates(self.state, group, params, grads, out_like=self._out_like)
 
 
 def check_adamw_hparams(*, lr: float, betas, eps: float, weight_decay: float, prefix: str = "") -> None:
@@ -146,8 +154,12 @@ def check_adamw_hparams(*, lr: float, betas, eps: float, weight_decay: float, pr
     check_nonneg(f"{prefix}weight_decay", weight_decay)
 
 
-def adamw_group_updates(state: dict, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> list[Tensor]:
-    """AdamW on one param group: the book-keeping shared by :class:`AdamW`, Muon's and MARS's AdamW groups."""
+def adamw_group_updates(state: dict, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
+                        out_like: Callable[[list[Tensor]], list[Tensor]] | None = None) -> list[Tensor]:
+    """AdamW on one param group: the book-keeping shared by :class:`AdamW`, Muon's and MARS's AdamW groups.
+
+    ``out_like``: the optimizer's :meth:`~bubblefree.optim.base.UpdateOptimizer._out_like`, which supplies
+    the buffers the fused path writes into (None: new tensors)."""
     for p in params:
         init_adamw_state(state[p], p)
     st = [state[p] for p in params]
@@ -155,4 +167,5 @@ def adamw_group_updates(state: dict, group: dict[str, Any], params: list[Tensor]
     impl = pick_impl(params, group.get("foreach"), group.get("fused"))
     return adamw_updates(params, grads, [s["exp_avg"] for s in st], [s["exp_avg_sq"] for s in st],
                          [s["step"] for s in st], lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                         weight_decay=group["weight_decay"], impl=impl)
+                         weight_decay=group["weight_decay"], impl=impl,
+                         out=out_like(params) if out_like is not None and impl == "fused" else None)

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from bubblefree.optim.adamw import adamw_group_updates, check_adamw_hparams
-from bubblefree.optim.base import UpdateOptimizer, check_betas, check_nonneg
+from bubblefree.optim.base import UpdateOptimizer, check_nonneg
 
 __all__ = ["MARS", "mars_updates"]
 
@@ -111,7 +111,7 @@ class MARS(UpdateOptimizer):
 
     def _group_updates(self, group, params, grads):
         if not group["use_mars"]:
-            return adamw_group_updates(self.state, group, params, grads)
+            return adamw_group_updates(self.state, group, params, grads, out_like=self._out_like)
         for p in params:
             st = self.state[p]
             if "step" not in st:

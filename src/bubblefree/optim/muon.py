@@ -167,7 +167,7 @@ class Muon(UpdateOptimizer):
 
     def _group_updates(self, group, params, grads):
         if not group["use_muon"]:
-            return adamw_group_updates(self.state, group, params, grads)
+            return adamw_group_updates(self.state, group, params, grads, out_like=self._out_like)
         for p in params:
             if "momentum_buffer" not in self.state[p]:
                 self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
