@@ -1,14 +1,20 @@
-"""The distributed runtime against the single-process simulation (gloo, CPU), and its failure handling.
+"""The distributed runtime against the single-process simulation (gloo, CPU), its run folder, and its failures.
 
-Each case spawns the pipeline's processes (tests/distributed_worker.py), runs a few steps of a tiny LLaMA
-(d=32, 4 layers, vocab 64) with AdamW and Error Feedback, and compares rank 0's per-step losses and the
-final weights of every stage with ``SimExecutor`` on the same seed and data: relative 1e-5 (fp32; the
-only differences are summation orders of gradient accumulation and the replica all-reduce).
+Each equivalence case spawns the pipeline's processes (tests/distributed_worker.py), runs a few steps of a tiny
+LLaMA (d=32, 4 layers, vocab 64; a 4-expert MoE in two cases) with AdamW and Error Feedback, and compares the
+writer's per-step loss, gradient norm, MoE balancing loss and learning rate, the validation loss and the final
+weights of every stage with ``SimExecutor`` on the same seed and data: relative 1e-5 (fp32; the only
+differences are summation orders of gradient accumulation and the replica all-reduce). Cases with
+``resume_at`` also checkpoint there and resume fresh executors from the file, which must continue the same
+trajectory. Every rank's trace is checked too.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -20,8 +26,11 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).parent))
 from distributed_worker import run, tiny_data, tiny_model, worker  # noqa: E402
 
-from bubblefree.distributed import PipelineFailure, launch_local, one_f_one_b  # noqa: E402
-from bubblefree.train.config import Config  # noqa: E402
+from bubblefree.distributed import PipelineFailure, launch_local  # noqa: E402
+from bubblefree.schedules.ir import one_f_one_b_order  # noqa: E402
+from bubblefree.train.config import Config, load_config  # noqa: E402
+from bubblefree.train.loop import train  # noqa: E402
+from bubblefree.train.metrics import read_metrics  # noqa: E402
 from bubblefree.train.sim import SimExecutor  # noqa: E402
 
 RTOL = 1e-5
@@ -43,53 +52,116 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _compare(tmp_path: Path, config: Config, nprocs: int, eval_at: tuple[int, ...] = ()) -> dict[str, float]:
-    plan = {"steps": config.train.steps, "eval_at": eval_at}
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / abs(b) if b else abs(a)
+
+
+def _stats_rel(got: list, want: list) -> float:
+    """Largest relative difference of loss, gradient norm, balancing loss and lr over the steps."""
+    assert [row[0] for row in got] == [row[0] for row in want]
+    return max(_rel(a, b) for g, w in zip(got, want) for a, b in zip(g[1:], w[1:]))
+
+
+def _weights_rel(state: dict, reference: dict) -> float:
+    """Largest ``|w - w_ref| / |w_ref|`` over the tensors of every stage; every weight must be present."""
+    got = {name: value for stage in state["stages"] for name, value in stage["module"].items()}
+    assert set(got) == set(reference)
+    return max(float((got[n] - ref).norm() / ref.norm()) for n, ref in reference.items())
+
+
+def _check_traces(run_dir: Path, nprocs: int) -> None:
+    """Every rank wrote trace/rank<r>.jsonl with forwards, backwards and updates, each ending after it starts."""
+    for rank in range(nprocs):
+        records = [json.loads(line) for line in (run_dir / "trace" / f"rank{rank}.jsonl").read_text().splitlines()]
+        assert {"F", "B", "U"} <= {r["kind"] for r in records}, rank
+        assert all(r["rank"] == rank and r["start"] < r["end"] for r in records), rank
+
+
+def _compare(tmp_path: Path, config: Config, nprocs: int, eval_at: tuple[int, ...] = (), *,
+             resume_at: int | None = None, n_experts: int = 0) -> dict[str, float]:
+    plan = {"steps": config.train.steps, "eval_at": eval_at, "resume_at": resume_at, "n_experts": n_experts}
     mp.start_processes(worker, args=(config, nprocs, _free_port(), str(tmp_path), plan), nprocs=nprocs,
                        start_method="spawn")
     got = torch.load(tmp_path / "result.pt", weights_only=False)
-    sim = SimExecutor(config, tiny_model(config.train.seed), tiny_data())
+    sim = SimExecutor(config, tiny_model(config.train.seed, n_experts=n_experts), tiny_data())
     want = run(sim, config, 0, config.train.steps, eval_at=eval_at)
-    want_val = sim.evaluate()
-    assert [s for s, *_ in got["losses"]] == list(range(config.train.steps))
-    loss_rel = max(abs(a[1] - b[1]) / abs(b[1]) for a, b in zip(got["losses"], want))
-    norm_rel = max(abs(a[2] - b[2]) / abs(b[2]) for a, b in zip(got["losses"], want))
+    if n_experts:
+        assert all(row[3] > 0.5 for row in want)  # the balancing loss is ~1 and is compared below
     reference = sim.model.state_dict()
-    names = set()
-    weight_rel = 0.0
-    for stage in got["state"]["stages"]:
-        for name, value in stage["module"].items():
-            names.add(name)
-            ref = reference[name]
-            weight_rel = max(weight_rel, float((value - ref).norm() / ref.norm()))
-    assert names == set(reference)
-    assert abs(got["val"] - want_val) / want_val < RTOL
-    assert loss_rel < RTOL and norm_rel < RTOL and weight_rel < RTOL, (loss_rel, norm_rel, weight_rel)
-    return {"loss": loss_rel, "weights": weight_rel}
+    rel = {"stats": _stats_rel(got["losses"], want), "weights": _weights_rel(got["state"], reference),
+           "val": _rel(got["val"], sim.evaluate())}
+    if resume_at is not None:
+        rel["resumed stats"] = _stats_rel(got["resumed"]["losses"], want[resume_at:])
+        rel["resumed weights"] = _weights_rel(got["resumed"]["state"], reference)
+    _check_traces(tmp_path, nprocs)
+    assert all(v < RTOL for v in rel.values()), rel
+    return rel
 
 
-@pytest.mark.parametrize(("schedule", "stages", "micro", "sync_start", "eval_at"), [
-    ("2bw", 2, 2, 0, (2,)),        # delay 1, a drain for evaluation in the middle of the run
-    ("pipedream", 3, 2, 0, (2,)),  # per-stage delays 2, 1, 0 and a refill that reads the stash
-    ("2bw", 3, 3, 2, ()),          # stock 1F1B for two synchronous steps, then 2BW
-    ("gpipe", 2, 2, 0, ()),        # stock GPipe == synchronous training
+@pytest.mark.parametrize(("schedule", "stages", "micro", "sync_start", "eval_at", "resume_at", "experts"), [
+    # delays 2, 1, 0; drains for evaluation and checkpoint whose refills read the stash; MoE; resume
+    ("pipedream", 3, 2, 0, (1,), 3, 4),
+    # stock GPipe == synchronous training; MoE on the stock path
+    ("gpipe", 2, 2, 0, (), None, 4),
+    # P = 4: stock 1F1B for two synchronous steps, then 2BW (delay 1), an evaluation drain, resume in 2BW
+    ("2bw", 4, 4, 2, (2,), 3, 0),
 ])
-def test_runtime_matches_simulation(tmp_path, schedule, stages, micro, sync_start, eval_at):
-    _compare(tmp_path, _config(schedule, stages, micro, sync_start=sync_start), stages, eval_at)
+def test_runtime_matches_simulation(tmp_path, schedule, stages, micro, sync_start, eval_at, resume_at, experts):
+    _compare(tmp_path, _config(schedule, stages, micro, sync_start=sync_start), stages, eval_at,
+             resume_at=resume_at, n_experts=experts)
 
 
 def test_data_x_pipeline_2x2_matches_simulation(tmp_path):
     _compare(tmp_path, _config("2bw", 2, 4), nprocs=4, eval_at=(1,))
 
 
-def test_one_f_one_b_plan_runs_every_unit_once_in_order():
+def test_one_f_one_b_order_runs_every_unit_once_in_order():
+    """The runtime runs segments of the IR's 1F1B order that start at any unit (after a drain)."""
     for stage in range(4):
-        actions = list(one_f_one_b(stage, 4, 6, 14))
+        actions = [(a.kind, a.microbatch) for a in one_f_one_b_order(stage, 4, range(6, 14))]
         forwards = [u for k, u in actions if k == "F"]
         backwards = [u for k, u in actions if k == "B"]
         assert forwards == backwards == list(range(6, 14))
         # stage s runs P-1-s forwards ahead of its first backward (the 1F1B warmup)
         assert actions.index(("B", 6)) == 4 - stage
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "bubblefree.cli", "train", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+SMOKE = ["--preset", "smoke", "--set", "pipeline.stages=2", "--set", "train.eval_every=2", "--set",
+         "train.ckpt_every=2", "--set", "train.log_every=1", "--set", "log.progress=false"]
+
+
+def test_cli_runs_the_distributed_runtime_and_resumes_it(tmp_path):
+    out = tmp_path / "run"
+    first = _cli(*SMOKE, "--set", "pipeline.runtime=distributed", "--set", "train.steps=3", "--out", str(out))
+    assert first.returncode == 0, first.stderr
+    assert (out / "checkpoints" / "step_00000003.pt").is_file() and (out / "loss.png").is_file()
+    resumed = _cli("--resume", str(out), "--set", "train.steps=5")
+    assert resumed.returncode == 0, resumed.stderr
+    assert (out / "config.toml").is_file() and (out / "checkpoints" / "step_00000005.pt").is_file()
+    _check_traces(out, 2)
+    # The same two runs in the simulation, in this process: the logs must match step for step.
+    overrides = [s for s in SMOKE[2:] if s != "--set"]
+    train(load_config("smoke", None, [*overrides, "train.steps=3"]), out_dir=tmp_path / "sim")
+    train(load_config("smoke", None, [*overrides, "train.steps=5"]), out_dir=tmp_path / "sim", resume=True)
+    got, want = read_metrics(out / "metrics.jsonl"), read_metrics(tmp_path / "sim" / "metrics.jsonl")
+    assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2, 3, 4, 5]
+    assert all(math.isfinite(r["lr"]) and r["lr"] > 0 for r in got)
+    for g, w in zip(got, want):
+        for key in ("loss", "grad_norm", "lr", "val_loss"):
+            assert (key in g) == (key in w), key
+            assert key not in w or _rel(g[key], w[key]) < RTOL, (g, w)
+
+
+def test_cli_reports_a_user_error_inside_the_ranks_in_one_line(tmp_path):
+    result = _cli(*SMOKE, "--set", "pipeline.runtime=distributed", "--set", "pipeline.schedule=wpipe",
+                  "--out", str(tmp_path / "run"))
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("bubblefree: error: Invalid pipeline.schedule")
 
 
 def test_killed_rank_ends_the_run_naming_it(tmp_path, monkeypatch):

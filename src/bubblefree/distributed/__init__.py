@@ -4,10 +4,10 @@ See docs/runtime.md. :class:`DistributedExecutor` is one rank's executor; :func:
 pipeline on this machine; ``python -m bubblefree.distributed`` is the torchrun entry point.
 """
 
-from bubblefree.distributed.executor import ASYNC_SCHEDULES, DistributedExecutor, one_f_one_b
-from bubblefree.distributed.launch import PipelineFailure, follow, launch_local, run_worker
+from bubblefree.distributed.executor import ASYNC_SCHEDULES, DistributedExecutor
+from bubblefree.distributed.launch import PipelineFailure, launch_local, run_worker
 from bubblefree.distributed.mesh import Mesh, init_mesh, rank_coords
 from bubblefree.distributed.p2p import P2P, PeerFailure
 
-__all__ = ["ASYNC_SCHEDULES", "DistributedExecutor", "Mesh", "P2P", "PeerFailure", "PipelineFailure", "follow",
-           "init_mesh", "launch_local", "one_f_one_b", "rank_coords", "run_worker"]
+__all__ = ["ASYNC_SCHEDULES", "DistributedExecutor", "Mesh", "P2P", "PeerFailure", "PipelineFailure",
+           "init_mesh", "launch_local", "rank_coords", "run_worker"]

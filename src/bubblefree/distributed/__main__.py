@@ -1,19 +1,23 @@
-"""``torchrun --nproc-per-node P [--nnodes N ...] -m bubblefree.distributed [--config F] [--set K=V ...] --out DIR``.
+"""``torchrun --nproc-per-node P [--nnodes N ...] -m bubblefree.distributed [--preset NAME] [--config F]
+[--set K=V ...] --out DIR [--resume]``.
 
-One process per stage (and replica); rank 0 runs the training loop and writes the run folder.
+One process per stage (and replica); every rank runs the training loop, global rank 0 writes the run folder.
+Invalid input is one line on stderr and exit code 2, as with ``bubblefree train``.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 
 from bubblefree.distributed.launch import run_worker
+from bubblefree.errors import UserError
 from bubblefree.train.config import load_config
 
 __all__: list[str] = []
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bubblefree.distributed", description=__doc__)
     parser.add_argument("--preset", default=None)
     parser.add_argument("--config", default=None)
@@ -21,10 +25,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--resume", action="store_true")
     args = parser.parse_args(argv)
-    config = load_config(args.preset, args.config, args.overrides)
-    config.pipeline.runtime = "distributed"
-    run_worker(config, out_dir=args.out, resume=args.resume)
+    try:
+        config = load_config(args.preset, args.config, args.overrides)
+        config.pipeline.runtime = "distributed"
+        run_worker(config, out_dir=args.out, resume=args.resume)
+    except UserError as e:
+        print(f"bubblefree: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

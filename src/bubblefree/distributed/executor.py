@@ -4,21 +4,24 @@
   ``torch.distributed.pipelining`` schedules (``ScheduleGPipe``, ``Schedule1F1B``); they flush every step.
 * ``2bw`` and ``pipedream`` run a persistent 1F1B loop that keeps microbatches in flight across optimizer
   steps: it fills once when an asynchronous phase starts and drains only when the run needs the weights
-  whole (evaluation, checkpoint, the switch to a synchronous phase, the end). A *unit* is what flows
-  through the pipeline: a microbatch for 2BW (``m/R`` per step and replica, ``m/R >= P``), the replica's
-  whole share of the batch for PipeDream (one unit per step, so stage ``s`` is ``P-1-s`` steps stale).
+  whole (evaluation, checkpoint, the switch to a synchronous phase, the end). The order is the schedule IR's
+  (:func:`bubblefree.schedules.ir.one_f_one_b_order`), the one the schedule simulator derives the delays
+  from. A *unit* is what flows through the pipeline: a microbatch for 2BW (``m/R`` per step and replica,
+  ``m/R >= P``), the replica's whole share of the batch for PipeDream (one unit per step, so stage ``s`` is
+  ``P-1-s`` steps stale), which each stage computes one microbatch at a time so that the arithmetic, and
+  the MoE balancing loss (a per-forward statistic), are the simulation's.
 
 Rank ``replica * P + stage`` computes; global rank 0 (replica 0, stage 0, the last to finish every step)
-returns the statistics, which travel down the pipeline with the last gradient of each step, so no
-pipeline-wide collective runs in the steady state. Losses are scaled by ``1/m`` (the global number of
-microbatches) and replica gradients are summed, which is the simulation's mean over microbatches.
+returns the statistics and is the one process that writes the run's outputs (:attr:`is_writer`). The
+statistics travel down the pipeline with the last gradient of each step, so no pipeline-wide collective runs
+in the steady state. Losses are scaled by ``1/m`` (the global number of microbatches), the MoE balancing
+gradient too (``set_aux_loss_scale``), and replica gradients are summed: the simulation's mean over
+microbatches.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,47 +35,53 @@ from bubblefree.distributed.p2p import P2P
 from bubblefree.distributed.stage import StageRuntime
 from bubblefree.distributed.trace import Tracer
 from bubblefree.errors import UserError
+from bubblefree.models.moe import MoE
+from bubblefree.schedules.ir import Action, one_f_one_b_order
 from bubblefree.train.config import Config
 from bubblefree.train.executor import StepStats
+from bubblefree.train.sim import autocast_for, resolve_device
 
-__all__ = ["ASYNC_SCHEDULES", "DistributedExecutor", "one_f_one_b"]
+__all__ = ["ASYNC_SCHEDULES", "DistributedExecutor"]
 
 ASYNC_SCHEDULES = ("2bw", "pipedream")
 _SYNC_SCHEDULES = ("sync", "gpipe", "1f1b")
 DEFAULT_TIMEOUT_S = 300.0
+_N_STATS = 3  # loss, squared gradient norm, MoE balancing loss
 
 
-def one_f_one_b(stage: int, n_stages: int, first: int, end: int) -> Iterator[tuple[str, int]]:
-    """Actions ``("F"|"B", unit)`` of ``stage`` for units ``first..end-1``: fill, steady 1F1B, drain."""
-    n = end - first
-    warm = min(n_stages - 1 - stage, n)
-    for i in range(warm):
-        yield "F", first + i
-    for i in range(n - warm):
-        yield "F", first + warm + i
-        yield "B", first + i
-    for i in range(n - warm, n):
-        yield "B", first + i
-
-
-def _forwards_until(stage: int, n_stages: int, first: int, end: int, last_backward: int) -> int:
-    """Forwards ``stage`` has run when it finishes the backward of unit ``last_backward``."""
+def _forwards_until(order: list[Action], last_backward: int) -> int:
+    """Forwards ``order`` has run when it finishes the backward of unit ``last_backward``."""
     count = 0
-    for kind, unit in one_f_one_b(stage, n_stages, first, end):
-        count += kind == "F"
-        if kind == "B" and unit == last_backward:
+    for action in order:
+        count += action.kind == "F"
+        if action.kind == "B" and action.microbatch == last_backward:
             return count
     raise AssertionError("unit outside the segment")
 
 
+def _to_cpu(tree: Any) -> Any:
+    """A copy of a state tree with every tensor on the CPU (a checkpoint must not name this rank's GPU)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.cpu()
+    if isinstance(tree, dict):
+        return {k: _to_cpu(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_to_cpu(v) for v in tree)
+    return tree
+
+
 class DistributedExecutor:
-    """:class:`~bubblefree.train.executor.Executor` for one rank of the pipeline (see module doc)."""
+    """:class:`~bubblefree.train.executor.Executor` for one rank of the pipeline (see module doc).
+
+    ``out_dir`` receives this rank's trace (``trace/rank<r>.jsonl``); None records none. ``mesh`` reuses
+    process groups already made (tests); by default the torchrun environment is joined.
+    """
 
     def __init__(self, config: Config, model: torch.nn.Module, data: Any, *, out_dir: str | Path | None = None,
                  mesh: Mesh | None = None, timeout_s: float | None = None):
+        from bubblefree.delay import DelayedOptimizer
         from bubblefree.models.split import split_model
         from bubblefree.optim import build_optimizer
-        from bubblefree.delay import DelayedOptimizer
         from bubblefree.schedules import stage_delays
 
         cfg, pipe = config, config.pipeline
@@ -86,7 +95,8 @@ class DistributedExecutor:
             raise UserError("Invalid pipeline.runtime: 'distributed' needs one process per stage: run under torchrun "
                             "(python -m bubblefree.distributed) or bubblefree.distributed.launch_local")
         timeout_s = timeout_s or float(os.environ.get("BUBBLEFREE_P2P_TIMEOUT", DEFAULT_TIMEOUT_S))
-        self.mesh = mesh or init_mesh(stages=pipe.stages, timeout_s=timeout_s)
+        device_type = resolve_device(cfg.train.device).type
+        self.mesh = mesh or init_mesh(stages=pipe.stages, timeout_s=timeout_s, device_type=device_type)
         P, R, m = pipe.stages, self.mesh.replicas, pipe.microbatches
         if m % R or cfg.train.batch_size % m:
             raise ValueError(f"Invalid pipeline.microbatches: {m} (must divide train.batch_size = "
@@ -98,52 +108,62 @@ class DistributedExecutor:
         self.local_m = m // R  # microbatches of this replica per step
         self.units_per_step = self.local_m if pipe.schedule == "2bw" else 1
         self.device = self.mesh.device
+        model.set_aux_loss_scale(1 / m)  # each microbatch's cross-entropy enters the backward divided by m
         self.module = split_model(model, P)[self.mesh.stage].to(self.device)
-        optimizer = build_optimizer(self.module, cfg.optim)
-        delay = stage_delays(pipe.schedule, P)[self.mesh.stage]
-        delayed = DelayedOptimizer(optimizer, delays=delay, correction=cfg.delay.correction,
-                                   ef_beta=cfg.delay.ef_beta, taylor_lambda=cfg.delay.taylor_lambda,
+        self._moe = [mod for mod in self.module.modules() if isinstance(mod, MoE)]
+        delayed = DelayedOptimizer(build_optimizer(self.module, cfg.optim),
+                                   delays=stage_delays(pipe.schedule, P)[self.mesh.stage],
+                                   correction=cfg.delay.correction, ef_beta=cfg.delay.ef_beta,
+                                   taylor_lambda=cfg.delay.taylor_lambda,
                                    sync_start_steps=cfg.delay.sync_start_steps,
                                    sync_cooldown_steps=cfg.delay.sync_cooldown_steps, total_steps=cfg.train.steps)
         self.stage = StageRuntime(self.module, delayed, n_stages=P, grad_clip=cfg.train.grad_clip,
                                   dp_group=self.mesh.dp_group)
         self.p2p = P2P(self.device, timeout_s)
-        out_dir = out_dir if out_dir is not None else os.environ.get("BUBBLEFREE_RUN_DIR")
-        out = Path(out_dir) if out_dir else None
-        self.tracer = Tracer(out / "trace" / f"rank{self.mesh.rank}.jsonl" if out else None,
-                             rank=self.mesh.rank, replica=self.mesh.replica, stage=self.mesh.stage)
-        use_bf16 = cfg.train.dtype == "bfloat16" or (cfg.train.dtype == "auto" and self.device.type == "cuda")
-        self._autocast = (lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)) if use_bf16 \
-            else contextlib.nullcontext
+        trace = Path(out_dir) / "trace" / f"rank{self.mesh.rank}.jsonl" if out_dir is not None else None
+        self.tracer = Tracer(trace, rank=self.mesh.rank, replica=self.mesh.replica, stage=self.mesh.stage)
+        self._autocast = autocast_for(cfg.train.dtype, self.device)
         self._stock: dict[str, Any] = {}
         self._segment: tuple[int, int] | None = None  # units [first, end) of the running asynchronous segment
-        self._actions: Iterator[tuple[str, int]] | None = None
+        self._actions: Any = None  # iterator over the segment's order
         self._saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # unit -> (input, output or loss)
-        self._loss_sum: dict[int, float] = {}
+        self._loss_sum: dict[int, torch.Tensor] = {}  # step -> sum of its microbatch losses (last stage)
+        self._aux_sum: dict[int, torch.Tensor] = {}  # step -> sum of this stage's balancing losses
         self._stats: dict[int, StepStats] = {}
+
+    @property
+    def is_writer(self) -> bool:
+        """Global rank 0 writes the run's outputs; every rank takes part in every call of the loop."""
+        return self.mesh.rank == 0
 
     # ------------------------------------------------------------------------------------------ data
     def _unit_batch(self, step: int, unit_in_step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens and targets of a unit: microbatches ``replica * m/R + i`` of the step, concatenated."""
-        cfg = self.config.train
         from bubblefree.data import get_batch
 
+        cfg = self.config.train
         mbs = range(self.local_m) if self.units_per_step == 1 else [unit_in_step]
-        xs, ys = zip(*(get_batch(self.data.train, seed=cfg.seed, step=step, microbatch=self.mesh.replica * self.local_m + i,
-                                 batch_size=cfg.batch_size // self.m, seq_len=cfg.seq_len, device=self.device)
+        xs, ys = zip(*(get_batch(self.data.train, seed=cfg.seed, step=step,
+                                 microbatch=self.mesh.replica * self.local_m + i, batch_size=cfg.batch_size // self.m,
+                                 seq_len=cfg.seq_len, device=self.device)
                        for i in mbs))
         return torch.cat(xs), torch.cat(ys)
 
     def _loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
 
+    def _add_aux(self, step: int) -> None:
+        """Add the balancing loss of this stage's last forward to the step's sum (a tensor: no device sync)."""
+        if self._moe:
+            aux = sum(mod.last_aux_loss.double() for mod in self._moe)
+            self._aux_sum[step] = self._aux_sum.get(step, 0.0) + aux
+
     # ---------------------------------------------------------------------------------- the executor
     def train_step(self, step: int, lr_scale: float) -> StepStats | None:
         from bubblefree.distributed.launch import _maybe_fault
 
         _maybe_fault(self.mesh.rank, when=step)
-        delayed = self.stage.delayed
-        if delayed.is_async(step) and self.config.pipeline.schedule in ASYNC_SCHEDULES:
+        if self.stage.delayed.is_async(step) and self.config.pipeline.schedule in ASYNC_SCHEDULES:
             self._async_step(step, lr_scale)
         else:
             self.drain()
@@ -155,23 +175,26 @@ class DistributedExecutor:
 
     def _step_stats(self, step: int, norm: float, incoming: torch.Tensor | None) -> None:
         """Add this stage's numbers to the statistics of ``step`` and pass them towards stage 0."""
-        stats = torch.zeros(2, dtype=torch.float64) if incoming is None else incoming.cpu()
-        if self.mesh.is_last:
-            loss = torch.tensor([self._loss_sum.pop(step)], dtype=torch.float64)
-            if self.mesh.dp_group is not None:
-                dist.all_reduce(loss, group=self.mesh.dp_group)
-            stats[0] = loss[0] / self.m
+        stats = torch.zeros(_N_STATS, dtype=torch.float64) if incoming is None else incoming.cpu()
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        local = torch.stack([torch.as_tensor(self._loss_sum.pop(step, zero)).double(),
+                             torch.as_tensor(self._aux_sum.pop(step, zero)).double()]).to(self.device)
+        if self.mesh.dp_group is not None:  # the replica's microbatches -> all m of the step
+            dist.all_reduce(local, group=self.mesh.dp_group)
+        local = local.cpu() / self.m
+        stats[0] += local[0]
         stats[1] += norm * norm
+        stats[2] += local[1]
         if not self.mesh.is_first:
             self.p2p.send(stats.to(self.device), self._rank(self.mesh.stage - 1))
         elif self.mesh.replica == 0:
             self._stats[step] = StepStats(loss=float(stats[0]), grad_norm=float(stats[1]) ** 0.5,
-                                          lr=self.stage.delayed.param_groups[0]["lr"])
+                                          aux_loss=float(stats[2]), lr=self.stage.delayed.param_groups[0]["lr"])
 
     def _recv_stats(self) -> torch.Tensor | None:
         if self.mesh.is_last:
             return None
-        return self.p2p.recv((2,), torch.float64, self._rank(self.mesh.stage + 1))
+        return self.p2p.recv((_N_STATS,), torch.float64, self._rank(self.mesh.stage + 1))
 
     # --------------------------------------------------------------------- stock synchronous schedules
     def _stock_step(self, step: int, lr_scale: float) -> None:
@@ -182,7 +205,7 @@ class DistributedExecutor:
             loss_fn = lambda out, y: self._loss(out, y) / self.m  # noqa: E731
             self._stock["schedule"] = cls(pstage, n_microbatches=n, loss_fn=loss_fn, scale_grads=False)
             for name in ("forward_one_chunk", "backward_one_chunk"):  # trace the stock schedule's compute
-                setattr(pstage, name, self._traced(getattr(pstage, name), name[0].upper(), step_box=self._stock))
+                setattr(pstage, name, self._traced(getattr(pstage, name), name[0].upper()))
         self._stock["step"] = step
         schedule = self._stock["schedule"]
         self.stage.delayed.zero_grad(set_to_none=True)
@@ -194,7 +217,7 @@ class DistributedExecutor:
             elif mesh.is_last:
                 losses: list[torch.Tensor] = []
                 schedule.step(target=y, losses=losses)
-                self._loss_sum[step] = float(sum(float(loss.detach()) for loss in losses)) * self.m
+                self._loss_sum[step] = torch.stack(losses).detach().double().sum() * self.m
             else:
                 schedule.step()
         incoming = self._recv_stats()
@@ -203,10 +226,14 @@ class DistributedExecutor:
         self._step_stats(step, norm, incoming)
         self.p2p.flush()
 
-    def _traced(self, fn, kind: str, *, step_box: dict[str, Any]):
+    def _traced(self, fn, kind: str):
         def run(chunk_id, *args, **kwargs):
-            with self.tracer.span(kind, step=step_box["step"], unit=chunk_id):
-                return fn(chunk_id, *args, **kwargs)
+            step = self._stock["step"]
+            with self.tracer.span(kind, step=step, unit=chunk_id):
+                result = fn(chunk_id, *args, **kwargs)
+            if kind == "F":
+                self._add_aux(step)
+            return result
         return run
 
     # ------------------------------------------------------------------ the asynchronous 1F1B loop
@@ -220,17 +247,16 @@ class DistributedExecutor:
     def _async_step(self, step: int, lr_scale: float) -> None:
         U = self.units_per_step
         if self._segment is None:
-            first, end = step * U, self._phase_end(step) * U
-            self._segment = (first, end)
-            self._actions = one_f_one_b(self.mesh.stage, self.P, first, end)
+            self._segment = (step * U, self._phase_end(step) * U)
+            self._actions = iter(one_f_one_b_order(self.mesh.stage, self.P, range(*self._segment)))
         assert self._segment[0] <= step * U < self._segment[1], "train_step called out of order"
         last_unit = (step + 1) * U - 1
-        for kind, unit in self._actions:
-            if kind == "F":
-                self._forward(unit)
+        for action in self._actions:
+            if action.kind == "F":
+                self._forward(action.microbatch)
             else:
-                self._backward(unit, lr_scale)
-                if unit == last_unit:
+                self._backward(action.microbatch, lr_scale)
+                if action.microbatch == last_unit:
                     break
         if (step + 1) * U == self._segment[1]:
             self._close_segment()
@@ -243,12 +269,18 @@ class DistributedExecutor:
         x, y = self._unit_batch(step, i) if (mesh.is_first or mesh.is_last) else (None, None)
         if not mesh.is_first:
             x = self.p2p.recv_activation(self._rank(mesh.stage - 1)).requires_grad_()
+        chunks = self.local_m // U  # microbatches in the unit, computed one by one as the simulation does
         with self.tracer.span("F", step=step, unit=unit), self._autocast():
-            out = self.stage.forward(step, x)
+            outs = []
+            for xc in x.chunk(chunks):
+                outs.append(self.stage.forward(step, xc))
+                self._add_aux(step)
             if mesh.is_last:
-                loss = self._loss(out, y)
-                self._loss_sum[step] = self._loss_sum.get(step, 0.0) + float(loss.detach()) * (self.local_m // U)
-                out = loss * (self.local_m // U) / self.m
+                loss = sum(self._loss(o, yc) for o, yc in zip(outs, y.chunk(chunks)))
+                self._loss_sum[step] = self._loss_sum.get(step, 0.0) + loss.detach().double()
+                out = loss / self.m
+            else:
+                out = torch.cat(outs) if chunks > 1 else outs[0]
         if not mesh.is_last:
             self.p2p.send_activation(out, self._rank(mesh.stage + 1))
         self._saved[unit] = (x, out)
@@ -273,21 +305,23 @@ class DistributedExecutor:
 
         Every rank has just finished the same step ``t``; forwards already run for later steps are
         dropped, and the activations the previous stage sent for them are received and discarded (their
-        number is a pure function of the schedule), so the next segment refills from step ``t+1``.
+        number follows from the two stages' orders), so the next segment refills from step ``t+1``.
         """
         if self._segment is None:
             return
         first, end = self._segment
         done = self.stage.updates_done * self.units_per_step  # units whose steps have been applied
         if done < end and not self.mesh.is_first:
-            sent = _forwards_until(self.mesh.stage - 1, self.P, first, end, done - 1)
-            taken = _forwards_until(self.mesh.stage, self.P, first, end, done - 1)
+            units = range(first, end)
+            sent = _forwards_until(one_f_one_b_order(self.mesh.stage - 1, self.P, units), done - 1)
+            taken = _forwards_until(one_f_one_b_order(self.mesh.stage, self.P, units), done - 1)
             for _ in range(sent - taken):
                 self.p2p.recv_activation(self._rank(self.mesh.stage - 1))
         for step in self.stage.entered():
             self.stage.abandon(step)
         self._saved.clear()
-        self._loss_sum = {k: v for k, v in self._loss_sum.items() if k * self.units_per_step < done}
+        keep = lambda sums: {k: v for k, v in sums.items() if k * self.units_per_step < done}  # noqa: E731
+        self._loss_sum, self._aux_sum = keep(self._loss_sum), keep(self._aux_sum)
         self._close_segment()
 
     def _close_segment(self) -> None:
@@ -298,7 +332,8 @@ class DistributedExecutor:
     # ------------------------------------------------------------------------------ evaluation, state
     @torch.no_grad()
     def evaluate(self) -> float | None:
-        """Validation loss at the current weights: replica 0 runs the evaluation batches through its pipeline."""
+        """Validation loss at the current weights on the writer (None elsewhere): replica 0 runs the
+        evaluation batches through its pipeline; the other replicas only drain."""
         from bubblefree.data import eval_batches
 
         self.drain()
@@ -308,18 +343,18 @@ class DistributedExecutor:
         self.module.eval()
         batches = eval_batches(self.data.val, n_batches=cfg.eval_batches, batch_size=cfg.batch_size,
                                seq_len=cfg.seq_len, device=self.device)
-        total = torch.zeros((), dtype=torch.float64)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
         for i, (x, y) in enumerate(batches):
             if not mesh.is_first:
                 x = self.p2p.recv_activation(self._rank(mesh.stage - 1))
             with self.tracer.span("E", step=self.stage.updates_done, unit=i), self._autocast():
                 out = self.module(x)
             if mesh.is_last:
-                total += float(self._loss(out, y))
+                total += self._loss(out, y).double()
             else:
                 self.p2p.send_activation(out, self._rank(mesh.stage + 1))
         self.module.train()
-        result = (total / len(batches)).to(self.device)
+        result = total / len(batches)
         if mesh.is_last and not mesh.is_first:
             self.p2p.send(result, self._rank(0))
         elif mesh.is_first and not mesh.is_last:
@@ -329,24 +364,26 @@ class DistributedExecutor:
         return float(result) if mesh.is_first else None
 
     def state_dict(self) -> dict[str, Any]:
-        """The whole pipeline's state on global rank 0 (``{"stages": [...]}``, one entry per stage: weights,
-        optimizer, stash of weight versions, EF buffers); an empty dict on the other ranks. Drains first."""
+        """Drain, then gather the whole pipeline's state on the writer: ``{"runtime": "distributed",
+        "stages": [...]}`` with one entry per stage (weights, and the ``DelayedOptimizer`` state: optimizer,
+        stash of weight versions, EF buffers, counters), on the CPU. Every rank must call it; the others get
+        an empty dict."""
         self.drain()
-        own = {"module": self.module.state_dict(), "delayed": self.stage.delayed.state_dict()}
-        gathered: list[Any] = [None] * self.mesh.world_size if self.mesh.rank == 0 else None
+        own = _to_cpu({"module": self.module.state_dict(), "delayed": self.stage.delayed.state_dict()})
+        gathered: list[Any] | None = [None] * self.mesh.world_size if self.is_writer else None
         dist.gather_object(own, gathered, dst=0)
-        if self.mesh.rank != 0:
+        if not self.is_writer:
             return {}
         return {"runtime": "distributed", "schedule": self.config.pipeline.schedule,
                 "stages": gathered[: self.P]}  # replicas hold identical copies
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Load what :meth:`state_dict` returned (every rank may pass it; rank 0's copy is broadcast)."""
-        box = [state if self.mesh.rank == 0 else None]
-        dist.broadcast_object_list(box, src=0)
-        stages = box[0]["stages"]
-        if len(stages) != self.P:
-            raise ValueError(f"Invalid checkpoint: {len(stages)} stages, this run has {self.P}")
+        """Load this rank's stage from what :meth:`state_dict` returned on the writer. Every rank passes
+        the whole state (each reads the checkpoint file itself); no communication."""
+        stages = state.get("stages") if state.get("runtime") == "distributed" else None
+        if stages is None or len(stages) != self.P:
+            found = "not a distributed run's" if stages is None else f"{len(stages)} stages'"
+            raise ValueError(f"Invalid checkpoint: it holds {found} state; this run has {self.P} stages")
         mine = stages[self.mesh.stage]
         self.module.load_state_dict(mine["module"])
         self.stage.delayed.load_state_dict(mine["delayed"])

@@ -4,19 +4,23 @@
   with one GPU per process) and monitors them: when one exits non-zero the others are killed and a
   :class:`PipelineFailure` names the rank that failed first and why.
 * :func:`run_worker` is the body of one process, also used under ``torchrun`` (``python -m
-  bubblefree.distributed``): global rank 0 runs the ordinary training loop (``bubblefree.train.train``) with a
-  :class:`~bubblefree.distributed.executor.DistributedExecutor`; the other ranks run :func:`follow`, the
-  same sequence of steps, evaluations and checkpoints without the logging.
+  bubblefree.distributed``): every rank runs the ordinary training loop (``bubblefree.train.train``) with a
+  :class:`~bubblefree.distributed.executor.DistributedExecutor`; only global rank 0 writes the run's outputs.
 * Every rank that fails writes ``<run>/errors/rank<r>.json`` before exiting; a watchdog thread in every rank
   polls that folder and exits (code 1, printing the failed rank and its cause) as soon as another rank's
   file appears, so no rank waits for its point-to-point timeout when a peer raised.
+* A :class:`~bubblefree.errors.UserError` (invalid input found inside a rank, e.g. a schedule the runtime
+  does not run) stays one: :func:`launch_local` re-raises it with its one-line message, so the CLI exits 2,
+  and the watchdogs stop the other ranks without printing.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -29,11 +33,13 @@ import torch
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
 
+from bubblefree.errors import UserError
 from bubblefree.train.config import Config
 
-__all__ = ["PipelineFailure", "follow", "launch_local", "run_worker"]
+__all__ = ["PipelineFailure", "launch_local", "run_worker"]
 
 ERRORS_DIR = "errors"
+STALE_MARGIN_S = 30.0
 
 
 class PipelineFailure(RuntimeError):
@@ -53,22 +59,23 @@ def _write_error(out_dir: Path, rank: int, exc: BaseException) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     record = {"rank": rank, "cause": f"{type(exc).__name__}: {exc}", "time": time.time(),
               "peer": exc.peer if isinstance(exc, PeerFailure) else None,
+              "user_error": str(exc) if isinstance(exc, UserError) else None,
               "traceback": "".join(traceback.format_exception(exc))[-4000:]}
     tmp = folder / f".rank{rank}.tmp"
     tmp.write_text(json.dumps(record))
     os.replace(tmp, folder / f"rank{rank}.json")
 
 
-def read_errors(out_dir: Path) -> list[dict]:
-    """Error records the ranks wrote, earliest first."""
+def read_errors(out_dir: Path, *, since: float = 0.0) -> list[dict]:
+    """Error records the ranks wrote at or after time ``since``, earliest first."""
     folder = out_dir / ERRORS_DIR
     records = [json.loads(p.read_text()) for p in folder.glob("rank*.json")] if folder.is_dir() else []
-    return sorted(records, key=lambda r: r["time"])
+    return sorted((r for r in records if r["time"] >= since), key=lambda r: r["time"])
 
 
-def root_cause(out_dir: Path) -> str | None:
+def root_cause(out_dir: Path, *, since: float = 0.0) -> str | None:
     """One line naming the rank that failed first: a rank's own error beats the peers that saw it vanish."""
-    records = read_errors(out_dir)
+    records = read_errors(out_dir, since=since)
     own = [r for r in records if r["peer"] is None]
     if own:
         return f"rank {own[0]['rank']} failed: {own[0]['cause']}"
@@ -77,67 +84,44 @@ def root_cause(out_dir: Path) -> str | None:
     return None
 
 
+def _user_error(out_dir: Path, *, since: float = 0.0) -> str | None:
+    """The message of the first rank's own error when that error is invalid input (a UserError)."""
+    own = [r for r in read_errors(out_dir, since=since) if r["peer"] is None]
+    return own[0].get("user_error") if own else None
+
+
 def _watchdog(out_dir: Path, rank: int, period_s: float = 1.0) -> None:
+    # Records of an earlier attempt in the same run folder (a run resumed after a failure) are not this
+    # run's: launch_local clears the folder; under torchrun, records older than this process are ignored
+    # (with a margin for ranks that start a little apart on one machine's clock).
+    since = time.time() - STALE_MARGIN_S
+    (out_dir / ERRORS_DIR / f"rank{rank}.json").unlink(missing_ok=True)
+
     def watch() -> None:
         while True:
             time.sleep(period_s)
-            others = [r for r in read_errors(out_dir) if r["rank"] != rank]
+            others = [r for r in read_errors(out_dir, since=since) if r["rank"] != rank]
             if others:
-                print(f"bubblefree: rank {rank} stops because {root_cause(out_dir)}", file=sys.stderr, flush=True)
+                if not _user_error(out_dir, since=since):  # the launcher or the failing rank prints that line
+                    print(f"bubblefree: rank {rank} stops because {root_cause(out_dir, since=since)}",
+                          file=sys.stderr, flush=True)
                 os._exit(1)
 
     threading.Thread(target=watch, name="bubblefree-watchdog", daemon=True).start()
-
-
-def follow(config: Config, *, out_dir: Path, resume: bool = False) -> None:
-    """A non-logging rank: the training loop's sequence of steps, evaluations and checkpoints (same rules
-    as ``bubblefree.train.loop.train``: evaluate after the last step and every ``eval_every`` steps,
-    checkpoint after the last step and every ``ckpt_every`` steps)."""
-    import random
-
-    import numpy as np
-
-    from bubblefree.data import load_tokens
-    from bubblefree.distributed.executor import DistributedExecutor
-    from bubblefree.models import build_model
-    from bubblefree.optim.schedule import lr_scale
-
-    cfg = config.train
-    random.seed(cfg.seed)
-    np.random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
-    data = load_tokens(config.data)
-    model = build_model(config.model.preset, vocab_size=config.model.vocab_size or data.vocab_size)
-    executor = DistributedExecutor(config, model, data, out_dir=out_dir)
-    if resume:
-        executor.load_state_dict({})
-    for step in range(executor.stage.updates_done, cfg.steps):
-        executor.train_step(step, lr_scale(step, cfg.steps, warmup_frac=cfg.warmup_frac, min_lr_frac=cfg.min_lr_frac))
-        done = step + 1
-        last = done == cfg.steps
-        if last or (cfg.eval_every > 0 and done % cfg.eval_every == 0):
-            executor.evaluate()
-        if last or (cfg.ckpt_every > 0 and done % cfg.ckpt_every == 0):
-            executor.state_dict()
-    executor.close()
 
 
 def run_worker(config: Config, *, out_dir: str | Path, resume: bool = False) -> None:
     """Body of one process of a run (environment from torchrun or :func:`launch_local`)."""
     import torch.distributed as dist
 
+    from bubblefree.train.loop import train
+
     out_dir = Path(out_dir)
     rank = int(os.environ["RANK"])
-    os.environ["BUBBLEFREE_RUN_DIR"] = str(out_dir)
     _watchdog(out_dir, rank)
     try:
         _maybe_fault(rank, when="start")
-        if rank == 0:
-            from bubblefree.train.loop import train
-
-            train(config, out_dir=out_dir, resume=resume)
-        else:
-            follow(config, out_dir=out_dir, resume=resume)
+        train(config, out_dir=out_dir, resume=resume)
         if dist.is_initialized():
             dist.destroy_process_group()
     except BaseException as exc:
@@ -166,20 +150,27 @@ def _spawned(index: int, config: Config, out_dir: str, nprocs: int, port: int, r
 
 def launch_local(config: Config, out_dir: str | Path, nprocs: int | None = None, *, resume: bool = False) -> None:
     """Run ``config`` with ``nprocs`` local processes (default ``pipeline.stages``; a multiple of it gives
-    ``nprocs / P`` data-parallel replicas). Raises :class:`PipelineFailure` naming the first failed rank."""
+    ``nprocs / P`` data-parallel replicas). Raises :class:`PipelineFailure` naming the first failed rank, or
+    the :class:`~bubblefree.errors.UserError` a rank raised."""
     nprocs = nprocs or config.pipeline.stages
     if nprocs < 1 or nprocs % config.pipeline.stages:
         raise ValueError(f"Invalid nprocs: {nprocs} (must be a multiple of pipeline.stages = {config.pipeline.stages})")
     out_dir = Path(out_dir)
+    shutil.rmtree(out_dir / ERRORS_DIR, ignore_errors=True)  # an earlier attempt's failures are not this run's
     config = dataclasses.replace(config, pipeline=dataclasses.replace(config.pipeline, runtime="distributed"))
     threads = max(1, (os.cpu_count() or 1) // nprocs)
     ctx = mp.start_processes(_spawned, args=(config, str(out_dir), nprocs, _free_port(), resume, threads),
                              nprocs=nprocs, join=False, start_method="spawn")
+    # join() logs a warning for every process it terminates after a failure; the failure raised below names
+    # the rank and cause in one line, which a user error must be alone in saying.
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     try:
         while not ctx.join(timeout=1.0):
             pass
     except ProcessException as exc:  # join() has already terminated the other processes
         own_errors = [r for r in read_errors(out_dir) if r["peer"] is None]
+        if _user_error(out_dir):
+            raise UserError(_user_error(out_dir)) from None
         if isinstance(exc, ProcessExitedException) and exc.signal_name and not own_errors:
             cause = f"rank {exc.error_index} was killed by {exc.signal_name}"
         else:

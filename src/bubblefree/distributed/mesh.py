@@ -3,7 +3,7 @@
 Ranks are laid out pipeline-major, ``rank = replica * P + stage``, so the ``P`` stages of one replica are
 neighbours (on one node when a node holds a whole pipeline, which keeps the point-to-point traffic local)
 and the ``R`` copies of one stage form the data-parallel group whose gradients are all-reduced.
-The backend is ``nccl`` when CUDA is available (device ``cuda:LOCAL_RANK``), else ``gloo`` on the CPU.
+The backend is ``nccl`` on CUDA (device ``cuda:LOCAL_RANK``) and ``gloo`` on the CPU.
 """
 
 from __future__ import annotations
@@ -52,19 +52,17 @@ class Mesh:
         return self.replica * self.stages + stage
 
 
-def init_mesh(*, stages: int, timeout_s: float, backend: str = "auto") -> Mesh:
+def init_mesh(*, stages: int, timeout_s: float, device_type: str = "cpu") -> Mesh:
     """Join the process group described by the torchrun environment (``RANK``, ``WORLD_SIZE``, ``MASTER_*``).
 
-    ``timeout_s`` bounds every collective and point-to-point wait, so a vanished peer ends the run instead
-    of hanging it.
+    ``device_type`` is ``cpu`` (gloo) or ``cuda`` (nccl, one GPU per local rank). ``timeout_s`` bounds every
+    collective and point-to-point wait, so a vanished peer ends the run instead of hanging it.
     """
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    if device_type == "cuda":
+        backend, device = "nccl", torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     else:
-        device = torch.device("cpu")
+        backend, device = "gloo", torch.device("cpu")
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     world, rank = dist.get_world_size(), dist.get_rank()

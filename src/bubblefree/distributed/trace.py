@@ -4,7 +4,9 @@ One file per rank, ``<run>/trace/rank<r>.jsonl``; each line is
 ``{"rank", "replica", "stage", "kind", "step", "unit", "start", "end"}`` with ``kind`` one of ``F``
 (forward), ``B`` (backward), ``U`` (optimizer update), ``E`` (evaluation forward), and times in seconds
 since the epoch (``time.time``), so ranks on one machine share a clock; a timeline subtracts the smallest
-start. Lines are buffered and written at every drain and at close.
+start. Lines are buffered and appended at every drain and at close; the file is created at the first
+write (building an executor writes nothing, so a refused run folder is left untouched), and a resumed run
+appends to it.
 """
 
 from __future__ import annotations
@@ -19,13 +21,12 @@ __all__ = ["Tracer"]
 
 
 class Tracer:
+    """Spans of one rank's work, appended to ``path`` (nothing is recorded when ``path`` is None)."""
+
     def __init__(self, path: Path | None, *, rank: int, replica: int, stage: int):
         self.path = path
         self._ids = {"rank": rank, "replica": replica, "stage": stage}
         self._lines: list[str] = []
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text("")
 
     @contextmanager
     def span(self, kind: str, *, step: int, unit: int = -1) -> Iterator[None]:
@@ -37,6 +38,7 @@ class Tracer:
 
     def flush(self) -> None:
         if self.path is not None and self._lines:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
             with self.path.open("a") as f:
                 f.write("\n".join(self._lines) + "\n")
             self._lines.clear()

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Action", "Schedule", "build_schedule", "SIMULATED_SCHEDULES"]
+__all__ = ["Action", "Schedule", "build_schedule", "one_f_one_b_order", "SIMULATED_SCHEDULES"]
 
 
 @dataclass(frozen=True, order=True)
@@ -54,8 +54,12 @@ class Schedule:
         return "\n".join(" ".join(map(str, order)) for order in self.orders)
 
 
-def _one_f_one_b(stage: int, n_stages: int, microbatches: range) -> list[Action]:
-    """1F1B on one stage over ``microbatches``: fill with ``P-1-s`` forwards, alternate, then drain."""
+def one_f_one_b_order(stage: int, n_stages: int, microbatches: range) -> list[Action]:
+    """1F1B on one stage over ``microbatches``: fill with ``P-1-s`` forwards, alternate, then drain.
+
+    The one definition of the order: the schedule simulator derives the delays from it, and the distributed
+    runtime (``bubblefree.distributed``) executes it for 2BW and PipeDream.
+    """
     mbs = list(microbatches)
     warmup = min(n_stages - 1 - stage, len(mbs))
     order = [Action(stage, "F", j) for j in mbs[:warmup]]
@@ -115,7 +119,7 @@ def build_schedule(name: str, n_stages: int, n_microbatches: int, *, steps: int 
         orders = [sum((_gpipe(s, mbs) for mbs in per_step), []) for s in range(P)]
         return Schedule(name, P, P, M, steps, _freeze(orders), "flush")
     if name in ("1f1b", "zero-bubble"):
-        orders = [sum((_one_f_one_b(s, P, mbs) for mbs in per_step), []) for s in range(P)]
+        orders = [sum((one_f_one_b_order(s, P, mbs) for mbs in per_step), []) for s in range(P)]
         return Schedule(name, P, P, M, steps, _freeze(orders), "flush", split_backward=name == "zero-bubble")
     if name == "interleaved-1f1b":
         if M % P:
@@ -125,10 +129,10 @@ def build_schedule(name: str, n_stages: int, n_microbatches: int, *, steps: int 
     if name == "2bw":
         if M < P:
             raise ValueError(f"Invalid microbatches: {M} (PipeDream-2BW needs at least one per stage, {P})")
-        orders = [_one_f_one_b(s, P, range(steps * M)) for s in range(P)]
+        orders = [one_f_one_b_order(s, P, range(steps * M)) for s in range(P)]
         return Schedule(name, P, P, M, steps, _freeze(orders), "2bw")
     # PipeDream updates after every microbatch: the same work as `steps` batches of M is steps * M updates.
-    orders = [_one_f_one_b(s, P, range(steps * M)) for s in range(P)]
+    orders = [one_f_one_b_order(s, P, range(steps * M)) for s in range(P)]
     return Schedule(name, P, P, 1, steps * M, _freeze(orders), "pipedream")
 
 

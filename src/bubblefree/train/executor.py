@@ -3,6 +3,10 @@
 The loop (``bubblefree.train.loop``) is the same for every runtime; it picks an :class:`Executor` once:
 the single-process simulation (``bubblefree.train.sim``) or the torch.distributed pipeline
 (``bubblefree.distributed``). Both run the same schedule delays, optimizer and corrections.
+
+In a distributed run every process runs the same loop and makes the same calls in the same order (they are
+collective: a step, an evaluation, a checkpoint's ``state_dict``); ``is_writer`` says which single process
+writes the run's outputs (files, prints, progress bar).
 """
 
 from __future__ import annotations
@@ -25,6 +29,9 @@ class StepStats(NamedTuple):
 
 
 class Executor(Protocol):
+    is_writer: bool
+    """True on the one process that writes the run's outputs (the simulation; global rank 0)."""
+
     def train_step(self, step: int, lr_scale: float) -> StepStats | None:
         """Run optimizer step ``step`` (0-based) at ``lr_scale`` times the peak learning rate.
 
@@ -36,9 +43,12 @@ class Executor(Protocol):
         ...
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue exactly: weights, optimizer, delay and correction state."""
+        """Everything needed to continue exactly: weights, optimizer, delay and correction state (on the
+        writer; every process must call it)."""
         ...
 
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what ``state_dict`` returned on the writer (every process passes the whole state)."""
+        ...
 
     def close(self) -> None: ...

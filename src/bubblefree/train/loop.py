@@ -46,8 +46,8 @@ def check_fresh_out_dir(out_dir: Path) -> None:
                         f"continue it with --resume {out_dir} or choose another --out")
 
 
-def make_executor(config: Config, model: torch.nn.Module, data: Any) -> Executor:
-    """The one place the runtime is chosen."""
+def make_executor(config: Config, model: torch.nn.Module, data: Any, out_dir: Path) -> Executor:
+    """The one place the runtime is chosen (the distributed runtime writes its per-rank traces to ``out_dir``)."""
     if config.pipeline.runtime == "sim":
         from bubblefree.train.sim import SimExecutor
 
@@ -56,7 +56,7 @@ def make_executor(config: Config, model: torch.nn.Module, data: Any) -> Executor
         from bubblefree.distributed import DistributedExecutor
     except ImportError:
         raise UserError("Invalid pipeline.runtime: 'distributed' is not available in this build") from None
-    return DistributedExecutor(config, model, data)
+    return DistributedExecutor(config, model, data, out_dir=out_dir)
 
 
 def _seed_everything(seed: int) -> None:
@@ -72,10 +72,14 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 @contextlib.contextmanager
-def _deferred_interrupt():
-    """Turn the first Ctrl-C into a flag checked between steps, so a checkpoint is taken at a step boundary."""
+def _deferred_interrupt(enabled: bool):
+    """Turn the first Ctrl-C into a flag checked between steps, so a checkpoint is taken at a step boundary.
+
+    Only for one process: the ranks of a distributed run would see the signal at different steps and could
+    not agree on where to stop without a collective every step, so there Ctrl-C ends the run at once (the
+    periodic checkpoints remain)."""
     flag = {"hit": False}
-    if not _is_main_thread():
+    if not enabled or not _is_main_thread():
         yield flag
         return
 
@@ -115,7 +119,8 @@ def _resume_state(config: Config, out_dir: Path) -> dict[str, Any]:
 def _build(config: Config, out_dir: Path, resume: bool) -> tuple[Executor, int, int, str]:
     """Validate, load data, build the model and executor and restore the checkpoint; write nothing.
 
-    Returns ``(executor, first step, parameter count, data source)``.
+    Every process of a distributed run reads the checkpoint file itself (so a multi-node resume needs the run
+    folder on a shared filesystem). Returns ``(executor, first step, parameter count, data source)``.
     """
     from bubblefree.data import load_tokens
     from bubblefree.models import build_model
@@ -123,13 +128,13 @@ def _build(config: Config, out_dir: Path, resume: bool) -> tuple[Executor, int, 
     validate(config)
     if config.log.tensorboard:
         tensorboard_writer()
-    if not resume:
-        check_fresh_out_dir(out_dir)
     ckpt = _resume_state(config, out_dir) if resume else None
     _seed_everything(config.train.seed)
     data = load_tokens(config.data)
     model = build_model(config.model.preset, vocab_size=config.model.vocab_size or data.vocab_size)
-    executor = make_executor(config, model, data)
+    executor = make_executor(config, model, data, out_dir)
+    if executor.is_writer and not resume:  # after the build: the writer may create files as soon as it returns
+        check_fresh_out_dir(out_dir)
     if ckpt is None:
         return executor, 0, sum(p.numel() for p in model.parameters()), data.source
     executor.load_state_dict(ckpt["executor"])
@@ -144,6 +149,9 @@ def train(config: Config, *, out_dir: str | Path, resume: bool = False) -> dict[
     after it are identical to those of an uninterrupted run. Returns the run's summary. Invalid input is
     reported as a UserError before anything is written (a ValueError from the library while setting up is
     invalid input too: that is how the library reports bad arguments).
+
+    Every process of a distributed run calls this; they make the same executor calls in the same order, and
+    only the executor's writer writes files and prints (the others return an empty summary).
     """
     threads = torch.get_num_threads()
     if config.train.threads:
@@ -163,21 +171,19 @@ def _run(config: Config, out_dir: Path, resume: bool) -> dict[str, Any]:
     except ValueError as e:
         raise UserError(str(e)) from e
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    _write_atomic(out_dir / CONFIG_FILE, dump_toml(config))
-    print(f"bubblefree: {'resuming' if resume else 'training'} {config.model.preset} "
-          f"({n_params / 1e6:.2f}M parameters) on {source}, "
-          f"step {start}/{cfg.steps}; outputs in {out_dir}", flush=True)
-    metrics = MetricsWriter(out_dir, tensorboard=config.log.tensorboard, resume_step=start if resume else None)
-    bar = progress_bar(total=cfg.steps, initial=start, enabled=config.log.progress)
+    writer = executor.is_writer  # every call on executor below is made by every process; only this one writes
+    if writer:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        _write_atomic(out_dir / CONFIG_FILE, dump_toml(config))
+        print(f"bubblefree: {'resuming' if resume else 'training'} {config.model.preset} "
+              f"({n_params / 1e6:.2f}M parameters) on {source}, "
+              f"step {start}/{cfg.steps}; outputs in {out_dir}", flush=True)
+        metrics = MetricsWriter(out_dir, tensorboard=config.log.tensorboard, resume_step=start if resume else None)
+    bar = progress_bar(total=cfg.steps, initial=start, enabled=writer and config.log.progress)
     tokens_per_step = cfg.batch_size * cfg.seq_len
     val_loss, train_time, window_time, window_tokens, tokens_per_s = float("nan"), 0.0, 0.0, 0, 0.0
 
-    def checkpoint(done: int) -> None:
-        save_checkpoint(out_dir, step=done, executor_state=executor.state_dict(),
-                        config=config_to_dict(config), keep=cfg.ckpt_keep)
-
-    with _deferred_interrupt() as interrupt:
+    with _deferred_interrupt(enabled=config.pipeline.runtime == "sim") as interrupt:
         for step in range(start, cfg.steps):
             tic = time.perf_counter()
             stats = executor.train_step(step, lr_scale(step, cfg.steps, warmup_frac=cfg.warmup_frac,
@@ -190,7 +196,7 @@ def _run(config: Config, out_dir: Path, resume: bool) -> dict[str, Any]:
             evaluate = last or (cfg.eval_every > 0 and done % cfg.eval_every == 0)
             if evaluate:
                 val_loss = executor.evaluate()
-            if evaluate or done % cfg.log_every == 0:
+            if writer and (evaluate or done % cfg.log_every == 0):
                 tokens_per_s, window_time, window_tokens = window_tokens / window_time, 0.0, 0
                 record = {"step": done, "tokens": done * tokens_per_step, "loss": stats.loss, "lr": stats.lr,
                           "tokens_per_s": tokens_per_s, "grad_norm": stats.grad_norm}
@@ -204,7 +210,10 @@ def _run(config: Config, out_dir: Path, resume: bool) -> dict[str, Any]:
                 bar.set_postfix(loss=f"{stats.loss:.3f}", tok_s=f"{tokens_per_s:.0f}")
             bar.update(1)
             if last or (cfg.ckpt_every > 0 and done % cfg.ckpt_every == 0) or interrupt["hit"]:
-                checkpoint(done)
+                state = executor.state_dict()
+                if writer:
+                    save_checkpoint(out_dir, step=done, executor_state=state, config=config_to_dict(config),
+                                    keep=cfg.ckpt_keep)
             if interrupt["hit"] and not last:
                 bar.close()
                 metrics.close()
@@ -212,8 +221,10 @@ def _run(config: Config, out_dir: Path, resume: bool) -> dict[str, Any]:
                       f"bubblefree train --resume {out_dir}", flush=True)
                 raise KeyboardInterrupt
     bar.close()
-    metrics.close()
     executor.close()
+    if not writer:
+        return {}
+    metrics.close()
     plot_losses(out_dir / METRICS_FILE, out_dir / PLOT_FILE, title=f"{config.model.preset}, "
                 f"{config.optim.name}, {config.pipeline.schedule}, {config.delay.correction}")
     trained = cfg.steps - start

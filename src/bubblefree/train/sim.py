@@ -61,11 +61,14 @@ class SimExecutor:
     ``pipeline.microbatches`` microbatches of ``batch_size / microbatches`` sequences are accumulated per step.
     """
 
+    is_writer = True  # one process: it writes the run's outputs
+
     def __init__(self, config: Config, model: torch.nn.Module, data: Any):
         self.config = config
         self.data = data
         self.device = resolve_device(config.train.device)
         self.model = model.to(self.device)
+        model.set_aux_loss_scale(1 / config.pipeline.microbatches)  # averaged like the microbatch losses
         self._autocast = autocast_for(config.train.dtype, self.device)
 
         self.optimizer = build_optimizer(model, config.optim)
