@@ -28,7 +28,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from bubblefree.distributed.mesh import Mesh, init_mesh
 from bubblefree.distributed.p2p import P2P
@@ -198,6 +197,9 @@ class DistributedExecutor:
 
     # --------------------------------------------------------------------- stock synchronous schedules
     def _stock_step(self, step: int, lr_scale: float) -> None:
+        # Imported here: it costs a second or more per process, and asynchronous runs never need it.
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
         mesh, n = self.mesh, self.local_m
         if "schedule" not in self._stock:
             pstage = PipelineStage(self.module, mesh.stage, self.P, self.device, group=mesh.pp_group)
