@@ -81,12 +81,12 @@ def _read_runs(out):
 
 def test_smoke_suite_end_to_end_and_skip_on_rerun(tmp_path, monkeypatch):
     out = tmp_path / "results"
-    argv = ["reproduce", "optimizers", "--scale", "smoke", "--out", str(out), "--optimizers", "adamw,muon"]
+    argv = ["reproduce", "optimizers", "--scale", "smoke", "--out", str(out), "--optimizers", "adamw"]
     assert main(argv) == 0
 
     runs = _read_runs(out)
-    # per optimizer: a 2-point sync sweep (one of which is sync seed 0), sync seed 1, async seed 0
-    assert len(runs) == 8
+    # a 2-point sync sweep (one of which is sync seed 0), sync seed 1, async seed 0
+    assert len(runs) == 4
     for rid, rec in runs.items():
         assert rec["id"] == rid and math.isfinite(rec["final_val_loss"])
         assert rec["val_curve"][-1][2] == rec["final_val_loss"] and len(rec["train_curve"]) == 8
@@ -97,7 +97,7 @@ def test_smoke_suite_end_to_end_and_skip_on_rerun(tmp_path, monkeypatch):
             sweep.setdefault(rec["config"]["optim"]["name"], []).append(rec)
     table = (out / "optimizers.md").read_text()
     results = table.partition("## Results")[2]
-    for opt in ("adamw", "muon"):
+    for opt in ("adamw",):
         assert len(sweep[opt]) == 2
         best = min(sweep[opt], key=lambda r: r["final_val_loss"])
         lr = best["config"]["optim"]["lr"]

@@ -63,7 +63,7 @@ def _curves(rows: Rows, path: Path, title: str) -> None:
                 continue
             tokens = np.array([p[1] for p in runs[0]["train_curve"][:n]])
             loss = np.mean([[p[2] for p in r["train_curve"][:n]] for r in runs], axis=0)
-            ax.plot(tokens, _smooth(loss), lw=1.2, label=f"{variant} ({len(runs)} seeds)")
+            ax.plot(tokens, _smooth(loss), lw=1.2, label=f"{variant} (n={len(runs)})")
         ax.set_title(opt)
         ax.set_xlabel("training tokens")
         ax.set_ylabel("train loss (smoothed)")

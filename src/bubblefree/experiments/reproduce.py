@@ -16,9 +16,10 @@ from typing import Any
 
 from bubblefree.errors import UserError
 from bubblefree.experiments.plots import draw
-from bubblefree.experiments.runner import commit, machine, run_all, run_id
+from bubblefree.experiments.runner import commit, machine, pending, run_all
 from bubblefree.experiments.scales import get_scale
 from bubblefree.experiments.suites import choose_lrs, get_suite, sweep_runs, sweep_table
+from bubblefree.optim import OPTIMIZERS
 
 __all__ = ["reproduce"]
 
@@ -48,21 +49,26 @@ def reproduce(suite: str, *, scale: str = "cpu", out: str | Path | None = None, 
     from tqdm.auto import tqdm
 
     sweep = sweep_runs(sc, chosen)
-    planned = {run_id(r) for r in sweep} | {run_id(r) for r in spec.runs(sc, {o: 0.0 for o in chosen})}
+    # The suite's runs depend on the rates the sweep picks: until then the bar's total is an estimate made
+    # at the default rates, set exactly once the sweep is done.
+    todo = pending(sweep, out)
+    estimate = pending(spec.runs(sc, {o: OPTIMIZERS[o].lr for o in chosen}), out) - todo
     tic = time.perf_counter()
-    with tqdm(total=len(planned), unit="run", desc=f"{suite} ({sc.name})", dynamic_ncols=True,
+    with tqdm(total=len(todo) + len(estimate), unit="run", desc=f"{suite} ({sc.name})", dynamic_ncols=True,
               disable=not progress) as bar:
         sweep_rows = run_all(sweep, out, bar=bar)
-        lrs = choose_lrs(sweep_rows)
-        lrs = {o: lrs[o] for o in chosen}
-        rows = run_all(spec.runs(sc, lrs), out, bar=bar)
+        lrs = {o: choose_lrs(sweep_rows)[o] for o in chosen}
+        runs = spec.runs(sc, lrs)
+        bar.total = bar.n + len(pending(runs, out))
+        bar.refresh()
+        rows = run_all(runs, out, bar=bar)
     elapsed = time.perf_counter() - tic
 
     title = f"{spec.title}, scale {sc.name}"
     plots = draw(rows, spec.plots, out, title=title)
     table_path = out / f"{suite}.md"
-    table_path.write_text(_markdown(spec, sc, sweep_rows, rows, plots, elapsed,
-                                              command or f"reproduce({suite!r}, scale={sc.name!r})"), encoding="utf-8")
+    command = command or f"reproduce({suite!r}, scale={sc.name!r})"
+    table_path.write_text(_markdown(spec, sc, sweep_rows, rows, plots, elapsed, command), encoding="utf-8")
     (out / f"{suite}.json").write_text(json.dumps({"suite": suite, "scale": sc.name, "lrs": lrs,
                                                    "runs": sorted({r["id"] for r in rows + sweep_rows})},
                                                   indent=1) + "\n", encoding="utf-8")

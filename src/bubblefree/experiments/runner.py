@@ -30,7 +30,7 @@ import torch
 from bubblefree.train.config import Config, config_to_dict
 from bubblefree.train.metrics import METRICS_FILE, read_metrics
 
-__all__ = ["Run", "commit", "machine", "run_all", "run_id"]
+__all__ = ["Run", "commit", "machine", "pending", "run_all", "run_id"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,13 +128,18 @@ def _execute(run: Run, work: Path, *, provenance: dict[str, str]) -> dict[str, A
     }
 
 
+def pending(runs: Sequence[Run], out: str | Path) -> set[str]:
+    """Ids of the runs in ``runs`` that have no JSON in ``<out>/runs`` yet."""
+    return {rid for rid in map(run_id, runs) if not (Path(out) / "runs" / f"{rid}.json").exists()}
+
+
 def run_all(runs: Sequence[Run], out: str | Path, *, bar: Any = None) -> list[dict[str, Any]]:
     """Make sure every run has its JSON in ``<out>/runs``; return one row per run: its record plus its tags
     (``optimizer``, ``variant``, ``x``, ``seed`` and ``run.tags``), which is what the tables group by.
 
     Finished runs (their JSON exists) are read, not re-run; ``bar`` (a tqdm bar, optional) advances once per
-    run executed, and its total shrinks by one per run skipped, so its rate and time left count only real
-    work. Runs listed twice (same id) run once.
+    run executed, so its rate and time left count only real work (``pending`` gives its total). Runs listed
+    twice (same id) run once.
     """
     out = Path(out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
@@ -145,9 +150,6 @@ def run_all(runs: Sequence[Run], out: str | Path, *, bar: Any = None) -> list[di
         path = out / "runs" / f"{rid}.json"
         if path.exists():
             results[rid] = json.loads(path.read_text())
-            if bar is not None:
-                bar.total -= 1
-                bar.refresh()
             continue
         if provenance is None:
             provenance = {"commit": commit(), "machine": machine()}

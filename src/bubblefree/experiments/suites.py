@@ -100,9 +100,13 @@ def sweep_table(rows: Rows) -> str:
     chosen = choose_lrs(rows)
     out = []
     for opt in dict.fromkeys(r["optimizer"] for r in rows):
+        mine = [r for r in rows if r["optimizer"] == opt]
         cells = [f"lr {r['x']:g}: " + (f"**{fmt(r['final_val_loss'])}**" if r["x"] == chosen[opt] else
-                                       fmt(r["final_val_loss"])) for r in rows if r["optimizer"] == opt]
-        out.append([opt, f"{chosen[opt]:g}", "; ".join(cells)])
+                                       fmt(r["final_val_loss"])) for r in mine]
+        # A best rate at the end of the grid says the optimum may lie beyond it.
+        edge = " (grid edge)" if len(mine) > 1 and chosen[opt] in (min(r["x"] for r in mine),
+                                                                   max(r["x"] for r in mine)) else ""
+        out.append([opt, f"{chosen[opt]:g}{edge}", "; ".join(cells)])
     return markdown_table(["optimizer", "chosen lr", "sync final val loss per lr (seed 0)"], out)
 
 

@@ -72,7 +72,7 @@ def fmt_mean(values: Sequence[float], digits: int = 3) -> str:
 
 
 def fmt_pct(value: float) -> str:
-    return "-" if not math.isfinite(value) else f"{100 * value:.0f} %"
+    return "-" if not math.isfinite(value) else f"{round(100 * value) or 0} %"  # never "-0 %"
 
 
 def markdown_table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
