@@ -81,13 +81,13 @@ def _markdown(spec, scale, sweep_rows, rows, plots, elapsed: float, command: str
     commits = sorted({r["commit"] for r in rows + sweep_rows})
     lines = [
         f"# {spec.title}", "",
-        f"Scale `{scale.name}`: model `{base.model.preset}`, {base.train.steps} steps of {base.train.batch_size} x "
-        f"{base.train.seq_len} tokens, {base.pipeline.stages} pipeline stages (simulated), "
-        f"{scale.seeds} seed(s) (sync baselines at least 2).",
-        f"Command: `{command}`; "
-        f"commit(s) of the runs: {', '.join(commits)}; this table written at commit {commit()} on {machine()}.",
-        f"Compute: {run_time / 60:.1f} min of runs in total ({len({r['id'] for r in rows + sweep_rows})} runs), "
-        f"this invocation {elapsed / 60:.1f} min (finished runs are skipped).", "",
+        (f"Scale `{scale.name}`: model `{base.model.preset}`, {base.train.steps} steps of {base.train.batch_size} x "
+         f"{base.train.seq_len} tokens, {base.pipeline.stages} pipeline stages (simulated), "
+         f"{scale.seeds} seed(s) (sync baselines at least 2)."),
+        (f"Command: `{command}`; "
+         f"commit(s) of the runs: {', '.join(commits)}; this table written at commit {commit()} on {machine()}."),
+        (f"Compute: {run_time / 60:.1f} min of runs in total ({len({r['id'] for r in rows + sweep_rows})} runs), "
+         f"this invocation {elapsed / 60:.1f} min (finished runs are skipped)."), "",
         "## Learning-rate sweep (synchronous, seed 0, full length)", "", sweep_table(sweep_rows), "",
         "## Results", "", spec.table(rows), "", _DEFINITIONS, "",
     ]

@@ -1,8 +1,8 @@
 """Run a list of experiment runs, one JSON per finished run, skipping runs whose JSON already exists.
 
 A :class:`Run` is a :class:`~bubblefree.train.config.Config` with the tags the tables group by. Its id is
-``<name>-<hash of the config>`` (both functions of the config alone), so two suites (or a sweep and a baseline) that need the very same run share
-one result, and a changed config never reuses a stale one. ``<out>/runs/<id>.json`` holds the config, the
+``<name>-<hash of the config>`` (both functions of the config alone), so two suites (or a sweep and a
+baseline) that need the very same run share one result, and a changed config never reuses a stale one. ``<out>/runs/<id>.json`` holds the config, the
 final validation loss, the validation and training curves, the wall time, the commit and the machine; it is
 written atomically after the run, so an interrupted suite re-run skips exactly the finished runs. The
 training folder of a run (``<out>/work/<id>``: config.toml, metrics.jsonl, loss.png, train.log) is kept

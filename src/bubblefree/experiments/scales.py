@@ -6,25 +6,28 @@ one (a 32-layer narrow model for the depth-16 schedules, an MoE). Sizing:
 
 - ``smoke``: the ``smoke`` run preset (llama-1m, byte tokenizer, 40 steps of 8 x 64 tokens), one seed, a
   two-point sweep. A run takes 1-2 s on one core, so every suite finishes in a few minutes.
-- ``cpu``: DESIGN.md section 7's prototype (llama-5m at vocabulary 4096, sequence 128, batch 16): 1.5-2
-  minutes per 300 steps on 2 idle cores. 200 steps and 2 seeds keep the ``optimizers`` suite near half an hour
-  there. One thread per run: on a shared machine a second thread waiting for a busy core made steps many
-  times slower (measured here: 20 steps in 20 s on one thread, under 30 steps in 5 minutes on two).
+- ``cpu``: DESIGN.md section 7's prototype (llama-5m at vocabulary 4096, sequence 128, batch 16), which
+  took 1.5-2 minutes per 300 steps on 2 idle cores; 200 steps, 2 seeds, a three-point sweep: the
+  ``optimizers`` suite is 36 runs (30-50 minutes on idle cores, estimated; 4 minutes per run measured on
+  the shared, loaded machine). One thread per run: on a shared machine a second thread waiting for a busy
+  core made steps many times slower (measured: 20 steps in 20 s on one thread, under 30 in 5 min on two).
 - ``gpu``: SmolLM2-135M's shapes (arXiv 2606.30634 trains 135M/360M) on the embedded corpus with an 8192 BPE
   vocabulary, sequence 512, batch 32, 2000 steps (33M tokens), 3 seeds.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from bubblefree.errors import UserError
 from bubblefree.models import PRESETS as MODEL_PRESETS
+from bubblefree.models.presets import DEFAULT_VOCAB
 from bubblefree.models.llama import ModelArgs
 from bubblefree.train.config import Config, apply_overrides
 from bubblefree.train.presets import get_preset
 
-__all__ = ["SCALES", "Scale", "deep_model_args", "get_scale", "register_deep_models"]
+__all__ = ["EXTRA_MODELS", "SCALES", "Scale", "get_scale", "register_models"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,26 +51,41 @@ class Scale:
     """Model preset of the ``moe`` suite."""
 
 
-# A 32-layer narrow llama per scale, (dim, heads, MLP width): the schedules suite cuts it into up to 2 x 16
-# partitions. Names carry the total parameter count at the default vocabulary 8192, as the model presets' do.
-_DEEP_SHAPES = {"deep-1m": (32, 2, 112), "deep-3m": (64, 2, 240), "deep-30m": (256, 4, 768)}
+def _deep(dim: int, heads: int, hidden: int) -> Callable[..., ModelArgs]:
+    def args(vocab_size: int = DEFAULT_VOCAB) -> ModelArgs:
+        return ModelArgs(vocab_size=vocab_size, dim=dim, n_layers=32, n_heads=heads, n_kv_heads=heads,
+                         mlp_hidden=hidden)
+    return args
 
 
-def deep_model_args(name: str, vocab_size: int = 8192) -> ModelArgs:
-    """The ``ModelArgs`` of one of the experiments' deep models (32 layers; see ``_DEEP_SHAPES``)."""
-    dim, heads, hidden = _DEEP_SHAPES[name]
-    return ModelArgs(vocab_size=vocab_size, dim=dim, n_layers=32, n_heads=heads, n_kv_heads=heads,
-                     mlp_hidden=hidden)
+def _moe(dim: int, hidden: int) -> Callable[..., ModelArgs]:
+    def args(vocab_size: int = DEFAULT_VOCAB) -> ModelArgs:
+        return ModelArgs(vocab_size=vocab_size, dim=dim, n_layers=4, n_heads=4, n_kv_heads=2, mlp_hidden=hidden,
+                         n_experts=8, top_k=2, n_shared_experts=1, expert_hidden=hidden)
+    return args
 
 
-def register_deep_models() -> None:
-    """Add the deep models to the model presets, so ``model.preset = "deep-3m"`` validates and builds.
+# Models the suites need beyond ``bubblefree.models.PRESETS``; names carry the total parameter count at the
+# default vocabulary, as the presets' do. ``deep-*``: 32-layer narrow llamas, since WPipe at depth 16 cuts the
+# model into 32 partitions. ``moe-1m`` / ``moe-6m``: moe-20m's routing (8 experts, top-2, one shared) at
+# smoke / cpu cost (moe-20m took 70 s for the 40 smoke steps on the shared machine).
+EXTRA_MODELS: dict[str, Callable[..., ModelArgs]] = {
+    "deep-1m": _deep(32, 2, 112),
+    "deep-3m": _deep(64, 2, 240),
+    "deep-30m": _deep(256, 4, 768),
+    "moe-1m": _moe(40, 88),
+    "moe-6m": _moe(128, 256),
+}
 
-    Additive and idempotent: an existing entry of the same name is left alone. (A permanent preset in
+
+def register_models() -> None:
+    """Add :data:`EXTRA_MODELS` to the model presets, so ``model.preset = "deep-3m"`` validates and builds.
+
+    Additive and idempotent: an existing entry of the same name is left alone. (Permanent presets in
     ``bubblefree.models.presets`` would make these run folders re-runnable without this package.)
     """
-    for name in _DEEP_SHAPES:
-        MODEL_PRESETS.setdefault(name, lambda vocab_size=8192, _n=name: deep_model_args(_n, vocab_size))
+    for name, factory in EXTRA_MODELS.items():
+        MODEL_PRESETS.setdefault(name, factory)
 
 
 # Evaluation and logging settings shared by every scale's runs: the progress bar is the suite's, not the run's.
@@ -80,7 +98,7 @@ def _smoke() -> Scale:
         "train.eval_every": 0, "train.eval_batches": 4, "train.log_every": 5,
     })
     return Scale(name="smoke", base=base, seeds=1, lr_factors=(0.5, 1.0), deep_model="deep-1m",
-                 moe_model="moe-20m")
+                 moe_model="moe-1m")
 
 
 def _cpu() -> Scale:
@@ -89,7 +107,7 @@ def _cpu() -> Scale:
         "train.threads": 1,
     })
     return Scale(name="cpu", base=base, seeds=2, lr_factors=(0.5, 1.0, 2.0), deep_model="deep-3m",
-                 moe_model="moe-20m")
+                 moe_model="moe-6m")
 
 
 def _gpu() -> Scale:
@@ -113,7 +131,7 @@ def get_scale(name: str, *, seeds: int | None = None) -> Scale:
         raise UserError(f"Invalid scale: {name!r} (expected one of {', '.join(SCALES)})")
     if seeds is not None and (isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1):
         raise ValueError(f"Invalid seeds: {seeds!r} (must be an integer >= 1)")
-    register_deep_models()
+    register_models()
     scale = SCALES[name]()
     if seeds is not None:
         scale = Scale(**{**scale.__dict__, "seeds": seeds})

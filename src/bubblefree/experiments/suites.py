@@ -27,8 +27,18 @@ from typing import Any
 from bubblefree.errors import UserError
 from bubblefree.experiments.runner import Run
 from bubblefree.experiments.scales import Scale
-from bubblefree.experiments.tables import (PAPER_360M, PAPER_MOE, fmt, fmt_mean, fmt_pct, gap_recovered, losses,
-                                           markdown_table, mean, noise_floor)
+from bubblefree.experiments.tables import (
+    PAPER_360M,
+    PAPER_MOE,
+    fmt,
+    fmt_mean,
+    fmt_pct,
+    gap_recovered,
+    losses,
+    markdown_table,
+    mean,
+    noise_floor,
+)
 from bubblefree.optim import OPTIMIZERS
 from bubblefree.train.config import apply_overrides
 
@@ -114,11 +124,11 @@ def _sync_async_ef(*, ef: bool, extra: Callable[[Scale], dict[str, Any]] | None 
     def runs(scale: Scale, lrs: dict[str, float]) -> list[Run]:
         over = extra(scale) if extra else {}
         out = []
-        for opt in lrs:
-            out += _runs(scale, opt, lrs[opt], "sync", {**SYNC, **over})
-            out += _runs(scale, opt, lrs[opt], "async", {**ASYNC, **over})
+        for opt, lr in lrs.items():
+            out += _runs(scale, opt, lr, "sync", {**SYNC, **over})
+            out += _runs(scale, opt, lr, "async", {**ASYNC, **over})
             if ef:
-                out += _runs(scale, opt, lrs[opt], "ef", {**EF, **over})
+                out += _runs(scale, opt, lr, "ef", {**EF, **over})
         return out
     return runs
 
@@ -137,23 +147,23 @@ def _mitigation_variants(scale: Scale) -> dict[str, dict[str, Any]]:
 
 
 def _mitigation_runs(scale: Scale, lrs: dict[str, float]) -> list[Run]:
-    return [run for opt in lrs for variant, over in _mitigation_variants(scale).items()
-            for run in _runs(scale, opt, lrs[opt], variant, over)]
+    return [run for opt, lr in lrs.items() for variant, over in _mitigation_variants(scale).items()
+            for run in _runs(scale, opt, lr, variant, over)]
 
 
 def _momentum_runs(scale: Scale, lrs: dict[str, float]) -> list[Run]:
-    return [run for opt in lrs for m in MOMENTA for variant, over in (("sync", SYNC), ("async", ASYNC))
-            for run in _runs(scale, opt, lrs[opt], variant, {**over, "optim.momentum": m}, x=m)]
+    return [run for opt, lr in lrs.items() for m in MOMENTA for variant, over in (("sync", SYNC), ("async", ASYNC))
+            for run in _runs(scale, opt, lr, variant, {**over, "optim.momentum": m}, x=m)]
 
 
 def _schedule_runs(scale: Scale, lrs: dict[str, float]) -> list[Run]:
     out = []
-    for opt in lrs:
+    for opt, lr in lrs.items():
         for depth in DEPTHS:
             for schedule in ("sync", "2bw", "pipedream", "wpipe"):
                 over = {"model.preset": scale.deep_model, "pipeline.schedule": schedule, "pipeline.stages": depth,
                         "delay.correction": "none"}
-                out += _runs(scale, opt, lrs[opt], schedule, over, x=depth)
+                out += _runs(scale, opt, lr, schedule, over, x=depth)
     return out
 
 
@@ -170,12 +180,12 @@ def _sensitivity_settings(scale: Scale) -> list[tuple[str, float, dict[str, Any]
 
 def _sensitivity_runs(scale: Scale, lrs: dict[str, float]) -> list[Run]:
     out = []
-    for opt in lrs:
+    for opt, lr in lrs.items():
         for setting, value, over in _sensitivity_settings(scale):
             over = dict(over)
-            lr = lrs[opt] * over.pop("lr_factor", 1.0)
+            scaled = lr * over.pop("lr_factor", 1.0)
             for variant, sched in (("sync", SYNC), ("async", ASYNC)):
-                out += _runs(scale, opt, lr, variant, {**sched, **over}, x=value, setting=setting)
+                out += _runs(scale, opt, scaled, variant, {**sched, **over}, x=value, setting=setting)
     return out
 
 
