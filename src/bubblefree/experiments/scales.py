@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 from bubblefree.errors import UserError
 from bubblefree.models import PRESETS as MODEL_PRESETS
-from bubblefree.models.presets import DEFAULT_VOCAB
 from bubblefree.models.llama import ModelArgs
+from bubblefree.models.presets import DEFAULT_VOCAB
 from bubblefree.train.config import Config, apply_overrides
 from bubblefree.train.presets import get_preset
 

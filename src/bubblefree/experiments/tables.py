@@ -33,11 +33,11 @@ PAPER_MOE = (1.906, 1.911, 1.906)
 
 
 def losses(results: Iterable[dict[str, Any]], **match: Any) -> list[float]:
-    """Final validation losses of the records whose fields equal ``match`` (one per seed), NaN for a diverged
-    run, in seed order."""
+    """Final validation losses of the records whose fields equal ``match`` (one per seed), ``inf`` for a
+    diverged run, in seed order."""
     chosen = [r for r in results if all(r.get(k) == v for k, v in match.items())]
     chosen.sort(key=lambda r: r["seed"])
-    return [math.nan if r["final_val_loss"] is None else r["final_val_loss"] for r in chosen]
+    return [math.inf if r["final_val_loss"] is None else r["final_val_loss"] for r in chosen]
 
 
 def mean(values: Sequence[float]) -> float:
@@ -57,9 +57,10 @@ def gap_recovered(sync: float, delayed: float, corrected: float) -> float:
 
 
 def fmt(value: float | None, digits: int = 3) -> str:
-    if value is None:
+    """``-`` for no value (None or NaN: nothing to compare), ``diverged`` for an infinite loss."""
+    if value is None or math.isnan(value):
         return "-"
-    return "diverged" if not math.isfinite(value) else f"{value:.{digits}f}"
+    return "diverged" if math.isinf(value) else f"{value:.{digits}f}"
 
 
 def fmt_mean(values: Sequence[float], digits: int = 3) -> str:
