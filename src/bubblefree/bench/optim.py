@@ -3,9 +3,9 @@
 About 10M parameters of transformer-shaped float32 matrices (research/optimizers.md section 3: at d=512,
 ``[(1536,512),(512,512),(2048,512),(512,2048)] x 3 + (1024,512)``) plus a few 1-D norms; fresh random
 gradients each step; ``step()`` timed with the implementations interleaved so machine noise hits both
-alike; medians. CPU runs with 2 threads (the CI size); the same table runs on CUDA when one is present.
+alike; medians. CPU runs with 2 threads (the CI size; ``--threads``); the same table runs on CUDA when one is present.
 
-    python -m bubblefree.bench.optim [--out DIR] [--steps N]
+    python -m bubblefree.bench.optim [--out DIR] [--steps N] [--threads T]
 """
 
 from __future__ import annotations
@@ -88,12 +88,14 @@ def _state_bytes_per_param(opt: torch.optim.Optimizer, n_params: int) -> float:
     return total / n_params
 
 
-def run(out: Path | None = None, *, steps: int = 12, warmup: int = 3) -> dict:
-    """Time every pair on CPU (and CUDA if available), print the tables, write ``optim.json`` under ``out``."""
+def run(out: Path | None = None, *, steps: int = 12, warmup: int = 3, threads: int = 2) -> dict:
+    """Time every pair on CPU (and CUDA if available), print the tables, write ``optim.json`` under ``out``.
+
+    ``threads``: CPU threads (2, the CI size; 1 avoids OpenMP stalls when the machine is oversubscribed)."""
     devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    results: dict = {"shapes": MATRIX_SHAPES + VECTOR_SHAPES, "steps": steps, "devices": {}}
+    saved_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    results: dict = {"shapes": MATRIX_SHAPES + VECTOR_SHAPES, "steps": steps, "threads": threads, "devices": {}}
     try:
         for device in devices:
             rows = []
@@ -130,7 +132,7 @@ def run(out: Path | None = None, *, steps: int = 12, warmup: int = 3) -> dict:
                 print(f"{r['optimizer']:18} {r['ours_ms']:8.1f} {r['ref_ms']:10.1f} {r['ratio']:6.2f} "
                       f"{r['state_bytes_per_param']:6.1f} ({r['ref_state_bytes_per_param']:4.1f})  {r['reference']}")
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(saved_threads)
     if out is not None:
         Path(out).mkdir(parents=True, exist_ok=True)
         (Path(out) / "optim.json").write_text(json.dumps(results, indent=2))
@@ -141,5 +143,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
-    run(args.out, steps=args.steps)
+    run(args.out, steps=args.steps, threads=args.threads)

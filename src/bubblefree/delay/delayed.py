@@ -32,9 +32,14 @@ two steps, the one a checkpoint captures, is always the one the next step starts
 **Memory.** Per parameter with ``d > 0`` in an asynchronous phase: a ring of ``d`` stashed versions
 (``x_j`` in slot ``j % d``) and, for EF, a ring of ``d`` updates (``u_j`` in slot ``j % d``, the optimizer's
 fresh update tensors kept by reference). ``x_{t-d}`` and ``u_{t-d}`` sit in slot ``t % d``, which is exactly
-where ``x_t`` and ``u_t`` go, so nothing else is allocated: ``x_{t+1}`` is written into the freed slot and
-swapped with the parameter's storage. Parameters change storage (``p.data``) at every step; ``p`` itself,
-its ``.grad`` and the inner optimizer's state keep their identity.
+where ``x_t`` and ``u_t`` go, so nothing else is allocated. Storages rotate: ``x_{t+1}`` is written in place
+over a tensor that dies at this step (``u_t`` without EF, ``u_{t-d}`` with EF; the freed slot when layouts
+differ), becomes the parameter's storage, ``x_t`` goes into the slot, and the storage of ``x_{t-d}`` is handed
+to the optimizer (:meth:`~bubblefree.optim.base.UpdateOptimizer.recycle`) for its next updates. An in-place
+write saves the read-for-ownership of a fresh destination, and recycling saves the page faults of new memory,
+so delay alone costs nothing over the bare step and EF one extra read of ``u_{t-d}`` (docs/delay.md).
+Parameters change storage (``p.data``) at every step; ``p`` itself, its ``.grad`` and the inner optimizer's
+state keep their identity.
 """
 
 from __future__ import annotations
