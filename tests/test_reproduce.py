@@ -8,6 +8,7 @@ import math
 import statistics
 
 import pytest
+import torch
 
 from bubblefree.cli import main
 from bubblefree.experiments import SUITES, get_scale, run_id
@@ -150,4 +151,7 @@ def test_cli_rejects_bad_input(tmp_path, capsys):
     assert main(["reproduce", "momentum", "--scale", "smoke", "--out", str(tmp_path),
                  "--optimizers", "soap"]) == 2
     assert main(["reproduce", "momentum", "--scale", "smoke", "--seeds", "0", "--out", str(tmp_path)]) == 2
+    if not torch.cuda.is_available():
+        assert main(["reproduce", "moe", "--scale", "gpu", "--out", str(tmp_path)]) == 2
+        assert "needs a CUDA device" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()

@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from bubblefree.errors import UserError
 from bubblefree.experiments.plots import draw
 from bubblefree.experiments.runner import commit, machine, pending, run_all
@@ -37,7 +39,7 @@ def reproduce(suite: str, *, scale: str = "cpu", out: str | Path | None = None, 
 
     ``seeds`` replaces the scale's seed count; ``optimizers`` restricts the suite to a subset of its own;
     ``command`` is recorded in the table (the CLI passes its command line).
-    Raises UserError (a ValueError) for an unknown suite, scale or optimizer.
+    Raises UserError (a ValueError) for an unknown suite, scale or optimizer, or ``gpu`` without a GPU.
     """
     spec, sc = get_suite(suite), get_scale(scale, seeds=seeds)
     chosen = spec.optimizers if optimizers is None else tuple(optimizers)
@@ -45,6 +47,8 @@ def reproduce(suite: str, *, scale: str = "cpu", out: str | Path | None = None, 
     if unknown or not chosen:
         raise UserError(f"Invalid optimizers: {','.join(chosen)!r} (suite {suite} runs "
                          f"{', '.join(spec.optimizers)})")
+    if sc.base.train.device == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"Invalid scale: {sc.name!r} needs a CUDA device and none is available")
     out = Path(out or f"results/{sc.name}")
     from tqdm.auto import tqdm
 
