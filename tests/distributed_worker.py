@@ -50,9 +50,11 @@ def worker(index: int, config: Config, nprocs: int, port: int, out_dir: str, pla
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(index), WORLD_SIZE=str(nprocs))
     torch.set_num_threads(1)
-    make = lambda mesh=None: DistributedExecutor(  # noqa: E731
-        config, tiny_model(config.train.seed, n_experts=plan.get("n_experts", 0)), tiny_data(), out_dir=out_dir,
-        mesh=mesh, timeout_s=30)
+
+    def make(mesh=None) -> DistributedExecutor:
+        model = tiny_model(config.train.seed, n_experts=plan.get("n_experts", 0))
+        return DistributedExecutor(config, model, tiny_data(), out_dir=out_dir, mesh=mesh, timeout_s=30)
+
     steps, k, eval_at = plan["steps"], plan.get("resume_at"), tuple(plan.get("eval_at", ()))
     executor = make()
     ckpt = Path(out_dir) / "ckpt.pt"

@@ -9,5 +9,5 @@ from bubblefree.distributed.launch import PipelineFailure, launch_local, run_wor
 from bubblefree.distributed.mesh import Mesh, init_mesh, rank_coords
 from bubblefree.distributed.p2p import P2P, PeerFailure
 
-__all__ = ["ASYNC_SCHEDULES", "DistributedExecutor", "Mesh", "P2P", "PeerFailure", "PipelineFailure",
+__all__ = ["ASYNC_SCHEDULES", "P2P", "DistributedExecutor", "Mesh", "PeerFailure", "PipelineFailure",
            "init_mesh", "launch_local", "rank_coords", "run_worker"]

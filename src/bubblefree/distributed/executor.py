@@ -204,7 +204,7 @@ class DistributedExecutor:
         if "schedule" not in self._stock:
             pstage = PipelineStage(self.module, mesh.stage, self.P, self.device, group=mesh.pp_group)
             cls = Schedule1F1B if self.config.pipeline.schedule != "gpipe" and n >= self.P else ScheduleGPipe
-            loss_fn = lambda out, y: self._loss(out, y) / self.m  # noqa: E731
+            loss_fn = lambda out, y: self._loss(out, y) / self.m
             self._stock["schedule"] = cls(pstage, n_microbatches=n, loss_fn=loss_fn, scale_grads=False)
             for name in ("forward_one_chunk", "backward_one_chunk"):  # trace the stock schedule's compute
                 setattr(pstage, name, self._traced(getattr(pstage, name), name[0].upper()))
@@ -322,8 +322,8 @@ class DistributedExecutor:
         for step in self.stage.entered():
             self.stage.abandon(step)
         self._saved.clear()
-        keep = lambda sums: {k: v for k, v in sums.items() if k * self.units_per_step < done}  # noqa: E731
-        self._loss_sum, self._aux_sum = keep(self._loss_sum), keep(self._aux_sum)
+        self._loss_sum = {k: v for k, v in self._loss_sum.items() if k * self.units_per_step < done}
+        self._aux_sum = {k: v for k, v in self._aux_sum.items() if k * self.units_per_step < done}
         self._close_segment()
 
     def _close_segment(self) -> None:

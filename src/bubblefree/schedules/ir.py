@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Action", "Schedule", "build_schedule", "one_f_one_b_order", "SIMULATED_SCHEDULES"]
+__all__ = ["SIMULATED_SCHEDULES", "Action", "Schedule", "build_schedule", "one_f_one_b_order"]
 
 
 @dataclass(frozen=True, order=True)
