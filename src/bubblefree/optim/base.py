@@ -116,6 +116,10 @@ class UpdateOptimizer(torch.optim.Optimizer):
         self.recycle(updates)
         return loss
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        self.__dict__.pop("_recycled", None)  # the pool's buckets follow the parameters: rebuild them
+
     def recycle(self, updates: Iterable[Tensor | None]) -> None:
         """Hand back updates from :meth:`compute_updates` that nobody will read again (None entries skipped).
 
