@@ -94,6 +94,7 @@ def _compare(tmp_path: Path, config: Config, nprocs: int, eval_at: tuple[int, ..
         rel["resumed stats"] = _stats_rel(got["resumed"]["losses"], want[resume_at:])
         rel["resumed weights"] = _weights_rel(got["resumed"]["state"], reference)
     _check_traces(tmp_path, nprocs)
+    print(f"relative differences: {rel}")  # the figures of docs/runtime.md (pytest -s)
     assert all(v < RTOL for v in rel.values()), rel
     return rel
 
