@@ -44,7 +44,9 @@ H100_BF16_PEAK_FLOPS = 989e12
 def flops_per_token(model: Transformer, seq_len: int) -> float:
     """``6 N + 12 L d_attn T`` training FLOPs per token (module docstring)."""
     a = model.args
-    n = model.num_params(active=True) - model.embed.weight.numel() + model.lm_head.weight.numel()
+    n = model.num_params(active=True) - model.embed.weight.numel()  # an untied head is already counted
+    if model.lm_head.weight is model.embed.weight:  # a tied one was counted once, as the embedding just removed
+        n += model.lm_head.weight.numel()
     return 6.0 * n + 12.0 * a.n_layers * a.n_heads * a.head_dim * seq_len
 
 
