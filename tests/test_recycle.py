@@ -74,6 +74,15 @@ def test_pool_holds_at_most_one_update_per_parameter():
     assert sum(len(b) for _, b in pool.values()) == 3
 
 
+def test_a_tensor_recycled_twice_is_handed_out_once():
+    params = [nn.Parameter(torch.randn(4, 4)) for _ in range(3)]
+    opt = bo.Lion(params)
+    u = torch.empty(4, 4)
+    opt.recycle([u, u, u])
+    out = opt._out_like(params)
+    assert len({x.data_ptr() for x in out}) == 3 and sum(x is u for x in out) == 1
+
+
 def test_use_foreach_resolves_by_device():
     cpu = [torch.zeros(2)]
     assert bo.base.use_foreach(None, cpu) is False

@@ -124,16 +124,17 @@ class UpdateOptimizer(torch.optim.Optimizer):
         """Hand back updates from :meth:`compute_updates` that nobody will read again (None entries skipped).
 
         A later :meth:`compute_updates` may overwrite them. Keeps at most as many tensors of each shape,
-        strides, dtype and device as the optimizer has parameters of that kind; the rest are dropped.
+        strides, dtype and device as the optimizer has parameters of that kind; the rest are dropped. A
+        tensor handed back twice is kept once (keyed by its memory address), so no two updates can alias.
         """
         pool = self._update_pool()
         for u in updates:
             if u is not None:
                 bucket = pool.get(_pool_key(u))
                 if bucket is not None and len(bucket[1]) < bucket[0]:
-                    bucket[1].append(u)
+                    bucket[1].setdefault(u.data_ptr(), u)
 
-    def _update_pool(self) -> dict[tuple, tuple[int, list[Tensor]]]:
+    def _update_pool(self) -> dict[tuple, tuple[int, dict[int, Tensor]]]:
         # Not in __init__: torch's Optimizer pickles only defaults/state/param_groups, and subclasses' __init__
         # order varies; built lazily (and rebuilt after unpickling) from the current parameters.
         pool = self.__dict__.get("_recycled")
@@ -141,7 +142,7 @@ class UpdateOptimizer(torch.optim.Optimizer):
             counts: dict[tuple, int] = {}
             for p in self.params():
                 counts[_pool_key(p)] = counts.get(_pool_key(p), 0) + 1
-            pool = self.__dict__["_recycled"] = {k: (n, []) for k, n in counts.items()}
+            pool = self.__dict__["_recycled"] = {k: (n, {}) for k, n in counts.items()}
         return pool
 
     def _out_like(self, tensors: Sequence[Tensor]) -> list[Tensor]:
@@ -150,7 +151,7 @@ class UpdateOptimizer(torch.optim.Optimizer):
         out = []
         for x in tensors:
             bucket = pool.get(_pool_key(x))
-            out.append(bucket[1].pop() if bucket and bucket[1]
+            out.append(bucket[1].popitem()[1] if bucket and bucket[1]
                        else torch.empty_like(x, memory_format=torch.preserve_format))
         return out
 
