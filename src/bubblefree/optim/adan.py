@@ -37,7 +37,8 @@ def adan_updates(params: list[Tensor], grads: list[Tensor], state: dict[str, lis
                  foreach: bool = True, out: list[Tensor] | None = None) -> list[Tensor]:
     """Advance ``state`` (lists ``exp_avg``, ``exp_avg_diff``, ``exp_avg_sq``, ``previous_grad``) in place and
     return Adan updates for step ``step`` (1-based), written into ``out`` (buffers shaped like ``params``)
-    when given, else into new tensors. ``foreach=False`` is the per-tensor reference.
+    when given, else into new tensors. ``foreach=False`` runs one tensor at a time (the reference path, and
+    the faster one on CPU: :func:`~bubblefree.optim.base.use_foreach`).
 
     No other tensor is allocated: ``previous_grad`` is the scratch space, holding ``d_t``, then
     ``g + beta2 d_t``, then ``D``, before it takes ``g`` at the end (as pytorch-optimizer reuses it).

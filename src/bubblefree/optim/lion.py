@@ -24,7 +24,8 @@ __all__ = ["Lion", "lion_updates"]
 def lion_updates(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], *, lr: float, beta1: float,
                  beta2: float, weight_decay: float, foreach: bool = True,
                  out: list[Tensor] | None = None) -> list[Tensor]:
-    """Advance ``exp_avgs`` in place and return Lion updates; ``foreach=False`` is the per-tensor reference.
+    """Advance ``exp_avgs`` in place and return Lion updates; ``foreach=False`` runs one tensor at a time (the
+    reference path, and the faster one on CPU: :func:`~bubblefree.optim.base.use_foreach`).
 
     The updates are written into ``out`` (buffers shaped like ``params``, e.g. recycled updates) when given,
     else into new tensors. Building ``u_t`` takes five operations (lerp into ``out``, sign, scale, decay,
