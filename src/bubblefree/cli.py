@@ -1,13 +1,15 @@
 """The ``bubblefree`` command (DESIGN.md section 6).
 
-    bubblefree train [--preset NAME] [--config FILE.toml] [--set KEY=VALUE ...] [--out DIR] [--resume DIR]
+    bubblefree train [--preset NAME] [--config FILE.toml] [--set KEY=VALUE ...] [--out DIR]
+                     [--resume DIR | --resume DIR/checkpoints/step_NNNNNNNN.pt]
     bubblefree simulate --stages P --microbatches M --schedules a,b,... [--costs F:B:W] [--steps T] [--out DIR]
     bubblefree bench {train,optim,delay} [--out DIR]
     bubblefree reproduce SUITE [--scale smoke|cpu|gpu] [--out DIR] [--seeds N] [--optimizers A,B,...]
 
 Exit codes: 0 success; 2 invalid input (one line on stderr naming the problem, nothing written or
-overwritten); 1 an internal failure (with its traceback); 130 interrupted (after a checkpoint when one could
-be taken).
+overwritten); 1 an internal failure (with its traceback); 3 training diverged (a non-finite loss or gradient
+norm, one line naming the step and the last good checkpoint); 130 interrupted (after a checkpoint when one
+could be taken). docs/reliability.md lists the bad-input cases and their messages.
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="override one key, e.g. --set optim.lr=3e-4 (repeatable)")
     train.add_argument("--out", metavar="DIR", help="output folder (default: runs/<preset>-<time>); "
                                                     "must not already hold a run")
-    train.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its newest checkpoint")
+    train.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its newest checkpoint, "
+                                                       "or from the checkpoint file DIR/checkpoints/step_N.pt")
 
     simulate = commands.add_parser(
         "simulate", help="compare pipeline schedules on paper: bubbles, delays, memory, timeline pictures",
@@ -86,22 +89,36 @@ def _train_config(args: argparse.Namespace):
     if args.preset is not None or args.config is not None:
         raise UserError("Invalid --resume: the run's own config.toml is used; only --set may change "
                         "(for example) train.steps")
-    saved = Path(args.resume) / "config.toml"
+    saved = _run_dir(args.resume) / "config.toml"
     if not saved.is_file():
         raise UserError(f"Invalid --resume: {args.resume} holds no run (no config.toml)")
     config = config_from_dict(read_toml(saved), origin=str(saved))
     return validate(apply_overrides(config, dict(parse_override(config, text) for text in args.overrides)))
 
 
+def _run_dir(resume: str) -> Path:
+    """The run folder of ``--resume``: the folder itself, or the run holding the checkpoint file it names."""
+    from bubblefree.train.checkpoint import CHECKPOINT_DIR
+
+    path = Path(resume)
+    if path.suffix == ".pt":
+        if path.parent.name != CHECKPOINT_DIR:
+            raise UserError(f"Invalid --resume: {resume} (a checkpoint file must be RUN/{CHECKPOINT_DIR}/step_N.pt)")
+        return path.parent.parent
+    return path
+
+
 def _train(args: argparse.Namespace) -> int:
     from bubblefree.train.loop import check_fresh_out_dir, train
 
     config = _train_config(args)
-    resume = args.resume is not None
+    resume: bool | Path = args.resume is not None
     if resume:
-        if args.out is not None and Path(args.out).resolve() != Path(args.resume).resolve():
-            raise UserError(f"Invalid --out: {args.out} (a resumed run writes to its own folder {args.resume})")
-        out_dir = Path(args.resume)
+        out_dir = _run_dir(args.resume)
+        if args.out is not None and Path(args.out).resolve() != out_dir.resolve():
+            raise UserError(f"Invalid --out: {args.out} (a resumed run writes to its own folder {out_dir})")
+        if Path(args.resume).suffix == ".pt":
+            resume = Path(args.resume)
     else:
         out_dir = Path(args.out or f"runs/{args.preset or 'demo'}-{time.strftime('%Y%m%d-%H%M%S')}")
         check_fresh_out_dir(out_dir)
@@ -172,7 +189,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("bubblefree: interrupted", file=sys.stderr)
         return 130
-    except Exception:
+    except Exception as e:
+        from bubblefree.train.loop import TrainingDiverged  # here: only a failure pays for importing torch
+
+        if isinstance(e, TrainingDiverged):
+            print(f"bubblefree: error: {e}", file=sys.stderr)
+            return 3
         traceback.print_exc()
         return 1
 

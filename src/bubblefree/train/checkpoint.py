@@ -1,19 +1,29 @@
 """Checkpoints: everything needed to continue a run bit for bit, written atomically.
 
 A checkpoint is one file ``RUN/checkpoints/step_NNNNNNNN.pt`` holding the step count, the resolved config,
-the executor's state (weights, optimizer state, delay stash and Error Feedback buffers) and the RNG states
-(torch, CUDA, numpy, python). Batches are a pure function of ``(seed, step, microbatch)``, so the step count
-is the data position. The file is written to a temporary name in the same folder, flushed and fsynced, then
-renamed over the final name, and the folder is fsynced: a crash leaves either the old set of checkpoints or
-the new one, never a torn file under a checkpoint's name. Only the newest ``keep`` are kept.
+the executor's state (weights, optimizer state, delay stash and Error Feedback buffers), the loop's own
+counters and the RNG states (torch, CUDA, numpy, python). Batches are a pure function of ``(seed, step,
+microbatch)``, so the step count is the data position. Beside it, ``step_NNNNNNNN.json`` is its manifest: the
+step, the config's sha256 (:func:`config_digest`), the bubblefree and torch versions, and the size and sha256
+of the checkpoint file.
+
+Both files are written to temporary names in the same folder, flushed and fsynced, then renamed (manifest
+first, so a checkpoint file never appears without its manifest), and the folder is fsynced: a crash leaves
+either the old set of checkpoints or the new one, never a torn file under a checkpoint's name. Only the newest
+``keep`` are kept. :func:`load_checkpoint` checks the file against its manifest and refuses a truncated or
+altered one, naming it and the previous checkpoint to resume from instead. A checkpoint without a manifest
+(written before manifests existed, or copied without one) is loaded unverified, with a warning.
 Files are loaded with ``torch.load(weights_only=True)``: tensors and plain containers only, no pickled code.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import random
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +32,8 @@ import torch
 
 from bubblefree.errors import UserError
 
-__all__ = ["CHECKPOINT_DIR", "latest_checkpoint", "list_checkpoints", "load_checkpoint", "restore_rng",
-           "rng_state", "save_checkpoint"]
+__all__ = ["CHECKPOINT_DIR", "config_digest", "latest_checkpoint", "list_checkpoints", "load_checkpoint",
+           "manifest_path", "restore_rng", "rng_state", "save_checkpoint", "verify_checkpoint"]
 
 CHECKPOINT_DIR = "checkpoints"
 _NAME = re.compile(r"^step_(\d{8})\.pt$")
@@ -50,6 +60,16 @@ def restore_rng(state: dict[str, Any]) -> None:
     random.setstate((version, tuple(internal), gauss))
 
 
+def config_digest(config: dict[str, Any]) -> str:
+    """sha256 of a config in its ``{section: {key: value}}`` form (key order does not matter)."""
+    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
+
+
+def manifest_path(path: str | Path) -> Path:
+    """The manifest beside checkpoint ``path``: ``step_NNNNNNNN.json``."""
+    return Path(path).with_suffix(".json")
+
+
 def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
     """``[(step, path)]`` of the run's checkpoints, oldest first (temporary files are ignored)."""
     folder = Path(run_dir) / CHECKPOINT_DIR
@@ -72,40 +92,100 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+def _write_synced(path: Path, write) -> None:
+    with path.open("wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def save_checkpoint(run_dir: str | Path, *, step: int, executor_state: dict[str, Any],
-                    config: dict[str, Any], keep: int = 2) -> Path:
-    """Atomically write the checkpoint of ``step`` and delete all but the newest ``keep``; return its path."""
+                    config: dict[str, Any], keep: int = 2, loop_state: dict[str, Any] | None = None) -> Path:
+    """Atomically write the checkpoint of ``step`` and its manifest, delete all but the newest ``keep``
+    (and temporary files a killed process left behind); return the checkpoint's path."""
     if keep < 1:
         raise ValueError(f"Invalid keep: {keep} (must be >= 1)")
+    from bubblefree import __version__
+
     folder = Path(run_dir) / CHECKPOINT_DIR
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"step_{step:08d}.pt"
-    tmp = folder / f".{path.name}.tmp-{os.getpid()}"
-    payload = {"format": 1, "step": step, "config": config, "executor": executor_state, "rng": rng_state()}
+    tmp, tmp_manifest = (folder / f".{p.name}.tmp-{os.getpid()}" for p in (path, manifest_path(path)))
+    payload = {"format": 1, "step": step, "config": config, "executor": executor_state, "rng": rng_state(),
+               "loop": loop_state or {}}
     try:
-        with tmp.open("wb") as f:
-            torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
+        _write_synced(tmp, lambda f: torch.save(payload, f))
+        manifest = {"step": step, "file": path.name, "bytes": tmp.stat().st_size, "sha256": _sha256(tmp),
+                    "config_sha256": config_digest(config), "bubblefree": __version__, "torch": torch.__version__}
+        _write_synced(tmp_manifest, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
+        os.replace(tmp_manifest, manifest_path(path))
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+        tmp_manifest.unlink(missing_ok=True)
     _fsync_dir(folder)
     for _, old in list_checkpoints(run_dir)[:-keep]:
         old.unlink()
+        manifest_path(old).unlink(missing_ok=True)
+    kept = {manifest_path(p).name for _, p in list_checkpoints(run_dir)}
+    for stale in folder.iterdir():  # a killed writer's temporary files; a manifest whose checkpoint is gone
+        if ".tmp-" in stale.name or (stale.suffix == ".json" and stale.name not in kept):
+            stale.unlink(missing_ok=True)
     return path
 
 
-def load_checkpoint(path: str | Path, *, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """Load a checkpoint written by :func:`save_checkpoint`; a missing or damaged file is a UserError."""
+def _damaged(path: Path, why: str) -> UserError:
+    """The refusal of a damaged checkpoint: names it, why, and the previous checkpoint to resume from."""
+    older = [p for _, p in list_checkpoints(path.parent.parent) if p.name < path.name]
+    advice = (f"resume from the previous one with --resume {older[-1]}" if older else
+              "no earlier checkpoint of this run is left")
+    return UserError(f"Invalid checkpoint: {path} {why}; it is refused ({advice}, or delete {path.name} and "
+                     f"its manifest to make the previous one the newest)")
+
+
+def verify_checkpoint(path: str | Path) -> dict[str, Any] | None:
+    """Check ``path`` against its manifest (size and sha256); return the manifest, or None when there is none.
+
+    Raises a UserError naming the file when it is missing, truncated or altered."""
     path = Path(path)
+    if not path.is_file():
+        raise UserError(f"Invalid checkpoint: {path} does not exist")
+    try:
+        manifest = json.loads(manifest_path(path).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise _damaged(path, f"has an unreadable manifest {manifest_path(path).name} ({e})") from None
+    if not isinstance(manifest, dict) or not {"bytes", "sha256"} <= set(manifest):
+        raise _damaged(path, f"has an unreadable manifest {manifest_path(path).name}")
+    size = path.stat().st_size
+    if size != manifest["bytes"]:
+        raise _damaged(path, f"is truncated or altered ({size} bytes, its manifest says {manifest['bytes']})")
+    if _sha256(path) != manifest["sha256"]:
+        raise _damaged(path, "is altered (its sha256 differs from its manifest's)")
+    return manifest
+
+
+def load_checkpoint(path: str | Path, *, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """Load a checkpoint written by :func:`save_checkpoint` after checking it against its manifest; a missing,
+    truncated, altered or foreign file is a UserError naming it."""
+    path = Path(path)
+    if verify_checkpoint(path) is None:
+        print(f"bubblefree: warning: {path} has no manifest ({manifest_path(path).name}); loading it unverified",
+              file=sys.stderr, flush=True)
     try:
         payload = torch.load(path, map_location=map_location, weights_only=True)
-    except FileNotFoundError:
-        raise UserError(f"Invalid checkpoint: {path} does not exist") from None
     except Exception as e:  # torch reports a torn or foreign file with several exception types
-        raise UserError(f"Invalid checkpoint: {path} cannot be read ({type(e).__name__}: "
-                        f"{str(e).splitlines()[0] if str(e) else 'damaged'})") from None
+        raise _damaged(path, f"cannot be read ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0] if str(e) else 'damaged'})") from None
     if not isinstance(payload, dict) or payload.get("format") != 1:
         raise UserError(f"Invalid checkpoint: {path} is not a bubblefree checkpoint")
     return payload

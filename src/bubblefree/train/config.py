@@ -135,6 +135,11 @@ class TrainConfig:
     dtype: str = "auto"
     """Compute dtype: ``auto`` (bf16 autocast on GPU, fp32 on CPU), ``float32`` or ``bfloat16``."""
 
+    nonfinite: str = "stop"
+    """A step whose loss or gradient norm is not finite: ``stop`` (exit code 3, naming the step and the last
+    good checkpoint) or ``skip`` (no update for that batch, counted as ``skipped`` in metrics.jsonl; the
+    simulation only). See docs/reliability.md."""
+
     threads: int = 0
     """CPU threads for torch's kernels; 0 keeps torch's default (one per core). Tiny models run fastest on one
     thread, and on a shared machine extra threads that wait for busy cores can make a step 100x slower."""
@@ -201,6 +206,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "data.tokenizer": ("bpe", "byte"),
     "train.device": ("auto", "cpu", "cuda"),
     "train.dtype": ("auto", "float32", "bfloat16"),
+    "train.nonfinite": ("stop", "skip"),
     "pipeline.runtime": ("sim", "distributed"),
 }
 

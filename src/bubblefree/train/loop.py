@@ -3,16 +3,22 @@
 The loop is the same for the single-process simulation and the distributed runtime; everything
 runtime-specific lives behind :class:`bubblefree.train.executor.Executor`. The learning rate follows the
 paper's recipe (``optim.lr_scale``: 10 % linear warmup, cosine to 10 % of peak).
+
+A step whose loss or gradient norm is not finite ends the run with :class:`TrainingDiverged` (exit code 3),
+naming the step and the newest checkpoint, unless ``train.nonfinite = "skip"``: the simulation then leaves the
+weights and the optimizer as they were and the loop counts the batch in ``skipped`` (docs/reliability.md).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import random
 import signal
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -26,14 +32,23 @@ from bubblefree.train.config import Config, config_diff, config_from_dict, confi
 from bubblefree.train.executor import Executor
 from bubblefree.train.metrics import METRICS_FILE, MetricsWriter, plot_losses, progress_bar, tensorboard_writer
 
-__all__ = ["RESUMABLE_KEYS", "check_fresh_out_dir", "make_executor", "train"]
+__all__ = ["RESUMABLE_KEYS", "SetupBarrier", "TrainingDiverged", "check_fresh_out_dir", "make_executor", "train"]
 
 # Keys a resumed run may change: they decide what is logged, kept or how long the run is, not the trajectory
 # of the steps already taken (a longer ``train.steps`` stretches the cosine over the new length from here on).
 RESUMABLE_KEYS = ("train.steps", "train.eval_every", "train.eval_batches", "train.log_every", "train.ckpt_every",
-                  "train.ckpt_keep", "train.device", "log.tensorboard", "log.progress")
+                  "train.ckpt_keep", "train.device", "train.nonfinite", "log.tensorboard", "log.progress")
 CONFIG_FILE = "config.toml"
 PLOT_FILE = "loss.png"
+
+SetupBarrier = Callable[[Config, "BaseException | None"], None]
+"""Called by every process of a run once its local setup (config, checkpoint, data, model) is done or has
+failed, before the executor is built; the distributed runtime passes a collective that makes every rank fail
+with the first failure, or when the ranks' configs differ (``distributed.mesh.agree``)."""
+
+
+class TrainingDiverged(RuntimeError):
+    """A step's loss or gradient norm is not finite (``train.nonfinite = "stop"``); the CLI exits 3."""
 
 
 def check_fresh_out_dir(out_dir: Path) -> None:
@@ -100,8 +115,8 @@ def _is_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
-def _resume_state(config: Config, out_dir: Path) -> dict[str, Any]:
-    path = latest_checkpoint(out_dir)
+def _resume_state(config: Config, out_dir: Path, resume: bool | str | Path) -> dict[str, Any]:
+    path = latest_checkpoint(out_dir) if resume is True else Path(resume)
     if path is None:
         raise UserError(f"Invalid --resume: {out_dir} holds no checkpoint")
     ckpt = load_checkpoint(path)
@@ -116,37 +131,57 @@ def _resume_state(config: Config, out_dir: Path) -> dict[str, Any]:
     return ckpt
 
 
-def _build(config: Config, out_dir: Path, resume: bool) -> tuple[Executor, int, int, str]:
+def _build(config: Config, out_dir: Path, resume: bool | str | Path,
+           barrier: SetupBarrier | None) -> tuple[Executor, dict[str, Any] | None, int, str]:
     """Validate, load data, build the model and executor and restore the checkpoint; write nothing.
 
     Every process of a distributed run reads the checkpoint file itself (so a multi-node resume needs the run
-    folder on a shared filesystem). Returns ``(executor, first step, parameter count, data source)``.
+    folder on a shared filesystem). Returns ``(executor, checkpoint or None, parameter count, data source)``.
     """
     from bubblefree.data import load_tokens
     from bubblefree.models import build_model
 
-    validate(config)
-    if config.log.tensorboard:
-        tensorboard_writer()
-    ckpt = _resume_state(config, out_dir) if resume else None
-    _seed_everything(config.train.seed)
-    data = load_tokens(config.data)
-    model = build_model(config.model.preset, vocab_size=config.model.vocab_size or data.vocab_size)
+    failure, ckpt = None, None
+    try:
+        validate(config)
+        if config.train.nonfinite == "skip" and config.pipeline.runtime != "sim":
+            raise UserError("Invalid train.nonfinite: 'skip' needs pipeline.runtime = 'sim' (the stages of an "
+                            "asynchronous pipeline update before the step's loss is known); use 'stop'")
+        if config.log.tensorboard:
+            tensorboard_writer()
+        ckpt = _resume_state(config, out_dir, resume) if resume else None
+        _seed_everything(config.train.seed)
+        data = load_tokens(config.data)
+        model = build_model(config.model.preset, vocab_size=config.model.vocab_size or data.vocab_size)
+    except Exception as e:  # reported through the barrier first, so that no other process waits for this one
+        failure = e
+    if barrier is not None:
+        barrier(config, failure)
+    if failure is not None:
+        raise failure
     executor = make_executor(config, model, data, out_dir)
     if executor.is_writer and not resume:  # after the build: the writer may create files as soon as it returns
         check_fresh_out_dir(out_dir)
-    if ckpt is None:
-        return executor, 0, sum(p.numel() for p in model.parameters()), data.source
-    executor.load_state_dict(ckpt["executor"])
-    restore_rng(ckpt["rng"])
-    return executor, ckpt["step"], sum(p.numel() for p in model.parameters()), data.source
+    if ckpt is not None:
+        executor.load_state_dict(ckpt["executor"])
+        restore_rng(ckpt["rng"])
+    return executor, ckpt, sum(p.numel() for p in model.parameters()), data.source
 
 
-def train(config: Config, *, out_dir: str | Path, resume: bool = False) -> dict[str, Any]:
+def _diverged(step: int, stats: Any, out_dir: Path) -> TrainingDiverged:
+    newest = latest_checkpoint(out_dir)
+    where = (f"the last good checkpoint is {newest}; continue from it with --resume {out_dir} (add --set "
+             f"train.nonfinite=skip to skip such batches)" if newest else "no checkpoint was written yet")
+    return TrainingDiverged(f"training stopped at step {step}: the loss is {stats.loss} and the gradient norm "
+                            f"{stats.grad_norm}; {where}")
+
+
+def train(config: Config, *, out_dir: str | Path, resume: bool | str | Path = False,
+          barrier: SetupBarrier | None = None) -> dict[str, Any]:
     """Train as ``config`` says, writing config.toml, metrics.jsonl, checkpoints and loss.png to ``out_dir``.
 
-    With ``resume`` the newest checkpoint in ``out_dir`` is loaded and the run continues from it; the steps
-    after it are identical to those of an uninterrupted run. Returns the run's summary. Invalid input is
+    With ``resume`` the newest checkpoint in ``out_dir`` (or the checkpoint file ``resume`` names) is loaded
+    and the run continues from it; the steps after it are identical to those of an uninterrupted run. Returns the run's summary. Invalid input is
     reported as a UserError before anything is written (a ValueError from the library while setting up is
     invalid input too: that is how the library reports bad arguments).
 
@@ -157,19 +192,21 @@ def train(config: Config, *, out_dir: str | Path, resume: bool = False) -> dict[
     if config.train.threads:
         torch.set_num_threads(config.train.threads)
     try:
-        return _run(config, Path(out_dir), resume)
+        return _run(config, Path(out_dir), resume, barrier)
     finally:
         torch.set_num_threads(threads)
 
 
-def _run(config: Config, out_dir: Path, resume: bool) -> dict[str, Any]:
+def _run(config: Config, out_dir: Path, resume: bool | str | Path, barrier: SetupBarrier | None) -> dict[str, Any]:
     cfg = config.train
     try:
-        executor, start, n_params, source = _build(config, out_dir, resume)
+        executor, ckpt, n_params, source = _build(config, out_dir, resume, barrier)
     except UserError:
         raise
     except ValueError as e:
         raise UserError(str(e)) from e
+    start = ckpt["step"] if ckpt else 0
+    skipped = ckpt.get("loop", {}).get("skipped", 0) if ckpt else 0
 
     writer = executor.is_writer  # every call on executor below is made by every process; only this one writes
     if writer:
@@ -193,6 +230,14 @@ def _run(config: Config, out_dir: Path, resume: bool) -> dict[str, Any]:
             window_time += elapsed
             window_tokens += tokens_per_step
             done, last = step + 1, step + 1 == cfg.steps
+            if writer and not (math.isfinite(stats.loss) and math.isfinite(stats.grad_norm)):
+                if cfg.nonfinite == "stop":  # the executor applied no update; nothing after the checkpoint is kept
+                    bar.close()
+                    metrics.close()
+                    raise _diverged(done, stats, out_dir)
+                skipped += 1
+                bar.write(f"step {done}/{cfg.steps}: the loss is {stats.loss} and the gradient norm "
+                          f"{stats.grad_norm}; batch skipped ({skipped} so far)")
             evaluate = last or (cfg.eval_every > 0 and done % cfg.eval_every == 0)
             if evaluate:
                 val_loss = executor.evaluate()
@@ -202,6 +247,8 @@ def _run(config: Config, out_dir: Path, resume: bool) -> dict[str, Any]:
                           "tokens_per_s": tokens_per_s, "grad_norm": stats.grad_norm}
                 if stats.aux_loss:
                     record["aux_loss"] = stats.aux_loss
+                if cfg.nonfinite == "skip":
+                    record["skipped"] = skipped
                 if evaluate:
                     record["val_loss"] = val_loss
                     bar.write(f"step {done}/{cfg.steps}: train loss {stats.loss:.4f}, validation loss "
@@ -213,7 +260,7 @@ def _run(config: Config, out_dir: Path, resume: bool) -> dict[str, Any]:
                 state = executor.state_dict()
                 if writer:
                     save_checkpoint(out_dir, step=done, executor_state=state, config=config_to_dict(config),
-                                    keep=cfg.ckpt_keep)
+                                    keep=cfg.ckpt_keep, loop_state={"skipped": skipped})
             if interrupt["hit"] and not last:
                 bar.close()
                 metrics.close()

@@ -11,7 +11,8 @@ weights and the Error Feedback / Taylor state; inside ``stale_params()`` each pa
 stage's forward and backward would see. The forward and backward of the whole model run in one process, which
 gives the same gradients as the stage-split pipeline (activations pass through unchanged). Each stage then clips
 its own gradients to ``grad_clip / sqrt(P)`` as the distributed runtime does (``optim.clip_stage_grads``), so
-the simulation and the runtime follow one trajectory.
+the simulation and the runtime follow one trajectory. A step whose loss or gradient norm is not finite
+applies no update (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -110,9 +111,14 @@ class SimExecutor:
                 aux = aux + self.model.aux_loss()
         norms = [clip_stage_grads(params, cfg.train.grad_clip, n_stages=len(self.stage_params))
                  for params in self.stage_params]
-        self.delayed.step()
-        return StepStats(loss=float(total) / n_micro, grad_norm=math.sqrt(sum(n * n for n in norms)),
-                         aux_loss=float(aux) / n_micro, lr=self.optimizer.param_groups[0]["lr"])
+        # The norms are host floats, so the device has finished the backward: reading the loss costs no wait.
+        loss, grad_norm = float(total) / n_micro, math.sqrt(sum(n * n for n in norms))
+        if math.isfinite(loss) and math.isfinite(grad_norm):
+            self.delayed.step()
+        # else the batch leaves weights, optimizer, stash and Error Feedback as they were; the loop stops the
+        # run or counts the skip (train.nonfinite)
+        return StepStats(loss=loss, grad_norm=grad_norm, aux_loss=float(aux) / n_micro,
+                         lr=self.optimizer.param_groups[0]["lr"])
 
     @torch.no_grad()
     def evaluate(self) -> float:
