@@ -3,7 +3,7 @@
     bubblefree train [--preset NAME] [--config FILE.toml] [--set KEY=VALUE ...] [--out DIR]
                      [--resume DIR | --resume DIR/checkpoints/step_NNNNNNNN.pt]
     bubblefree simulate --stages P --microbatches M --schedules a,b,... [--costs F:B:W] [--steps T] [--out DIR]
-    bubblefree bench {train,optim,delay} [--out DIR]
+    bubblefree bench {train,optim,delay,pipeline,time-to-loss} [--out DIR]
     bubblefree reproduce SUITE [--scale smoke|cpu|gpu] [--out DIR] [--seeds N] [--optimizers A,B,...]
 
 Exit codes: 0 success; 2 invalid input (one line on stderr naming the problem, nothing written or
@@ -27,7 +27,7 @@ from bubblefree.errors import UserError
 
 __all__ = ["build_parser", "main"]
 
-BENCHMARKS = ("train", "optim", "delay")
+BENCHMARKS = ("train", "optim", "delay", "pipeline", "time-to-loss")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -151,9 +151,9 @@ def _simulate(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     try:
-        module = importlib.import_module(f"bubblefree.bench.{args.name}")
+        module = importlib.import_module(f"bubblefree.bench.{args.name.replace('-', '_')}")
     except ModuleNotFoundError as e:
-        if e.name != f"bubblefree.bench.{args.name}":
+        if e.name != f"bubblefree.bench.{args.name.replace('-', '_')}":
             raise
         raise UserError(f"Invalid benchmark: {args.name!r} is not available in this build") from None
     module.run(out=Path(args.out) if args.out else None)

@@ -73,11 +73,15 @@ class DistributedExecutor:
     """:class:`~bubblefree.train.executor.Executor` for one rank of the pipeline (see module doc).
 
     ``out_dir`` receives this rank's trace (``trace/rank<r>.jsonl``); None records none. ``mesh`` reuses
-    process groups already made (tests); by default the torchrun environment is joined.
+    process groups already made (tests); by default the torchrun environment is joined. ``stage_module``
+    replaces this rank's piece of ``split_model(model, P)`` (the fixed-cost stages of
+    :mod:`bubblefree.distributed.synthetic` that ``bubblefree bench pipeline`` runs); it must map the
+    previous stage's output (token ids on stage 0) to the next one's input (logits on the last stage).
     """
 
     def __init__(self, config: Config, model: torch.nn.Module, data: Any, *, out_dir: str | Path | None = None,
-                 mesh: Mesh | None = None, timeout_s: float | None = None):
+                 mesh: Mesh | None = None, timeout_s: float | None = None,
+                 stage_module: torch.nn.Module | None = None):
         from bubblefree.delay import DelayedOptimizer
         from bubblefree.models.split import split_model
         from bubblefree.optim import build_optimizer
@@ -108,7 +112,8 @@ class DistributedExecutor:
         self.units_per_step = self.local_m if pipe.schedule == "2bw" else 1
         self.device = self.mesh.device
         model.set_aux_loss_scale(1 / m)  # each microbatch's cross-entropy enters the backward divided by m
-        self.module = split_model(model, P)[self.mesh.stage].to(self.device)
+        self.module = (split_model(model, P)[self.mesh.stage] if stage_module is None else stage_module
+                       ).to(self.device)
         self._moe = [mod for mod in self.module.modules() if isinstance(mod, MoE)]
         delayed = DelayedOptimizer(build_optimizer(self.module, cfg.optim),
                                    delays=stage_delays(pipe.schedule, P)[self.mesh.stage],

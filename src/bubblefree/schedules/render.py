@@ -1,13 +1,49 @@
-"""Draw timelines as in the pipeline papers: one row per rank, one block per action, coloured per microbatch."""
+"""Draw timelines as in the pipeline papers: one row per rank, one block per action, coloured per microbatch.
+
+The same drawing serves the simulator's :class:`~bubblefree.schedules.timeline.Timeline` and the runtime's
+measured traces (``trace/rank<r>.jsonl``, read by ``bubblefree.bench.pipeline``), so the two can be put in one
+picture, one panel each: :func:`draw_timelines` for simulated ones, :func:`draw_panels` for any mix.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from bubblefree.schedules.timeline import Timeline
 
-__all__ = ["draw_timelines"]
+__all__ = ["Panel", "Span", "draw_panels", "draw_timelines", "timeline_panel"]
+
+
+@dataclass(frozen=True)
+class Span:
+    """One block: ``kind`` F, B or W of ``microbatch`` on ``rank`` from ``start`` to ``end``."""
+
+    rank: int
+    kind: str
+    microbatch: int
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class Panel:
+    title: str
+    n_ranks: int
+    spans: tuple[Span, ...]
+    xlabel: str = "time (units of the F:B:W costs)"
+
+    @property
+    def makespan(self) -> float:
+        return max((s.end for s in self.spans), default=1.0)
+
+
+def timeline_panel(tl: Timeline) -> Panel:
+    """The simulator's timeline as a panel, titled with its schedule, size and idle fraction."""
+    s = tl.schedule
+    spans = tuple(Span(tl.rank_of[a], a.kind, a.microbatch, start, end) for a, (start, end) in tl.spans.items())
+    return Panel(f"{s.name}: P={s.n_ranks}, M={s.n_microbatches}, idle {tl.idle_fraction():.1%}", s.n_ranks, spans)
 
 
 def draw_timelines(timelines: Sequence[Timeline], path: str | Path, *, max_microbatches: int = 64) -> Path:
@@ -15,30 +51,33 @@ def draw_timelines(timelines: Sequence[Timeline], path: str | Path, *, max_micro
 
     Only the first ``max_microbatches`` microbatches are labelled, so long runs stay legible.
     """
+    return draw_panels([timeline_panel(tl) for tl in timelines], path, max_microbatches=max_microbatches)
+
+
+def draw_panels(panels: Sequence[Panel], path: str | Path, *, max_microbatches: int = 64) -> Path:
+    """Write one PNG with the panels stacked (same colours and labels as :func:`draw_timelines`)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(timelines), 1, figsize=(12, 1.1 + 0.45 * sum(t.schedule.n_ranks for t in timelines)),
+    fig, axes = plt.subplots(len(panels), 1, figsize=(12, 1.1 + 0.45 * sum(p.n_ranks for p in panels)),
                              squeeze=False)
     cmap = plt.get_cmap("tab20")
-    for ax, tl in zip(axes[:, 0], timelines, strict=True):
-        s = tl.schedule
-        for action, (start, end) in tl.spans.items():
-            rank = tl.rank_of[action]
-            color = cmap((action.microbatch % 10) * 2 + (0 if action.kind == "B" else 1))
-            ax.barh(rank, end - start, left=start, height=0.8, color=color, edgecolor="black", linewidth=0.3,
-                    hatch="//" if action.kind == "W" else None)
-            if action.microbatch < max_microbatches and end - start > 0.02 * tl.makespan / 4:
-                ax.text((start + end) / 2, rank, f"{action.kind}{action.microbatch}", ha="center", va="center",
+    for ax, panel in zip(axes[:, 0], panels, strict=True):
+        makespan = panel.makespan
+        for s in panel.spans:
+            color = cmap((s.microbatch % 10) * 2 + (0 if s.kind == "B" else 1))
+            ax.barh(s.rank, s.end - s.start, left=s.start, height=0.8, color=color, edgecolor="black",
+                    linewidth=0.3, hatch="//" if s.kind == "W" else None)
+            if s.microbatch < max_microbatches and s.end - s.start > 0.02 * makespan / 4:
+                ax.text((s.start + s.end) / 2, s.rank, f"{s.kind}{s.microbatch}", ha="center", va="center",
                         fontsize=6)
-        ax.set_yticks(range(s.n_ranks), [f"rank {r}" for r in range(s.n_ranks)])
+        ax.set_yticks(range(panel.n_ranks), [f"rank {r}" for r in range(panel.n_ranks)])
         ax.invert_yaxis()
-        ax.set_xlim(0, tl.makespan)
-        ax.set_title(f"{s.name}: P={s.n_ranks}, M={s.n_microbatches}, idle {tl.idle_fraction():.1%}", fontsize=9,
-                     loc="left")
-    axes[-1, 0].set_xlabel("time (units of the F:B:W costs)")
+        ax.set_xlim(0, makespan)
+        ax.set_title(panel.title, fontsize=9, loc="left")
+        ax.set_xlabel(panel.xlabel, fontsize=8)
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=130)
