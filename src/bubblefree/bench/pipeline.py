@@ -251,7 +251,8 @@ def run(out: Path | None = None, *, stages: tuple[int, ...] = (4, 8), multiples:
         t_forward: float = 0.02, t_backward: float = 0.04, steps: int = 5, real: bool = True,
         real_microbatches: int = 4, real_steps: int = 8, schedules: tuple[str, ...] = SCHEDULES) -> dict:
     """Measure (module docstring), print the table, write ``bench_pipeline.json`` and one PNG per ``P``
-    (measured timelines beside the simulator's, at ``M = 2P``) to ``out`` (a temporary folder if None)."""
+    (measured 1F1B and 2BW timelines beside the simulator's, at the middle of ``multiples``: ``M = 2P`` by
+    default) to ``out`` (a temporary folder if None)."""
     if steps < 3 or real_steps < 3:
         raise ValueError(f"Invalid steps: {min(steps, real_steps)} (the steady window needs at least 3 steps)")
     root = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="bench_pipeline-"))
@@ -268,7 +269,7 @@ def run(out: Path | None = None, *, stages: tuple[int, ...] = (4, 8), multiples:
         groups.append((2, [{"config": replace(base, pipeline=replace(base.pipeline, schedule=s)),
                             "dir": str(root / "runs" / stamp / f"real-P2-M{real_microbatches}-{s}")}
                            for s in schedules]))
-    load = os.getloadavg()[0]
+    load, drawn = os.getloadavg()[0], multiples[len(multiples) // 2]
     for P, cases in groups:
         tic = time.perf_counter()
         run_cases(cases, P)
@@ -277,7 +278,7 @@ def run(out: Path | None = None, *, stages: tuple[int, ...] = (4, 8), multiples:
             row = _analyse(case, case["config"].train.steps)
             row["kind"] = "synthetic" if case.get("synthetic") else f"real {case['config'].model.preset}"
             rows.append(row)
-        shown = [c for c in cases if c.get("synthetic") and c["config"].pipeline.microbatches == 2 * P
+        shown = [c for c in cases if c.get("synthetic") and c["config"].pipeline.microbatches == drawn * P
                  and c["config"].pipeline.schedule in ("1f1b", "2bw")]
         if shown and out is not None:
             panels = []

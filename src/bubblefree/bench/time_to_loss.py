@@ -1,0 +1,98 @@
+"""Time to quality: wall-clock for 2BW + Error Feedback to reach synchronous 1F1B's final validation loss.
+
+``bubblefree bench time-to-loss`` trains the real model (the ``smoke`` preset's, Muon, on the embedded corpus)
+on the distributed runtime at ``P = 2`` twice, for the same number of steps and on the same data: with the
+stock ``Schedule1F1B`` (synchronous, no delay) and with our PipeDream-2BW loop (delay 1) plus Error Feedback
+(arXiv 2606.30634). Both evaluate every ``eval_every`` steps; the wall-clock is rank 0's time inside
+``train_step`` (evaluation excluded, the 2BW refill after each evaluation's drain included). The headline is
+the training time at which 2BW + EF first reaches 1F1B's final validation loss, over 1F1B's total training
+time; a bubble-free schedule that lost nothing to the delay would reach ``M / (M+P-1)``, and the goal is at
+most ``1.05 M / (M+P-1)``. The first crossing is only known to the resolution of the evaluations.
+
+    bubblefree bench time-to-loss --out DIR    # bench_time_to_loss.json, time_to_loss.png, run folders
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from bubblefree.bench.pipeline import run_cases
+from bubblefree.train.config import load_config
+
+__all__ = ["RUNS", "first_reach", "run"]
+
+RUNS = {"1f1b": ["pipeline.schedule=1f1b", "delay.correction=none"],
+        "2bw+ef": ["pipeline.schedule=2bw", "delay.correction=ef"]}
+"""The two runs: the ``smoke`` preset (Muon) with these overrides."""
+
+
+def first_reach(evals: list[dict], target: float) -> dict | None:
+    """The first evaluation whose validation loss is at most ``target`` (None if none is)."""
+    return next((e for e in evals if e["val_loss"] <= target), None)
+
+
+def _plot(curves: dict[str, list[dict]], target: float, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for name, evals in curves.items():
+        ax.plot([e["train_s"] for e in evals], [e["val_loss"] for e in evals], marker="o", ms=3, label=name)
+    ax.axhline(target, color="grey", ls=":", lw=1, label="1F1B final")
+    ax.set_xlabel("training wall-clock, rank 0 (s)")
+    ax.set_ylabel("validation loss")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def run(out: Path | None = None, *, steps: int = 200, eval_every: int = 20, microbatches: int = 4) -> dict:
+    """Train both runs, print the table, and write ``bench_time_to_loss.json`` and ``time_to_loss.png`` to
+    ``out`` (a temporary folder if None)."""
+    if steps < 1 or eval_every < 1:
+        raise ValueError(f"Invalid steps/eval_every: {steps}/{eval_every} (must be >= 1)")
+    root = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="bench_ttl-"))
+    stamp, P = time.strftime("%Y%m%d-%H%M%S"), 2
+    common = ["pipeline.runtime=distributed", f"pipeline.stages={P}", f"pipeline.microbatches={microbatches}",
+              f"train.steps={steps}", "train.eval_batches=8"]
+    cases = [{"config": load_config("smoke", None, common + overrides), "eval_every": eval_every,
+              "lr_schedule": True, "dir": str(root / "runs" / stamp / name)} for name, overrides in RUNS.items()]
+    load = os.getloadavg()[0]
+    run_cases(cases, P)
+    curves = {name: json.loads((Path(c["dir"]) / "rank0.json").read_text())["evals"]
+              for name, c in zip(RUNS, cases)}
+    sync, fast = curves["1f1b"], curves["2bw+ef"]
+    target, sync_s = sync[-1]["val_loss"], sync[-1]["train_s"]
+    reach = first_reach(fast, target)
+    goal = 1.05 * microbatches / (microbatches + P - 1)
+    result = {"command": "bubblefree bench time-to-loss", "preset": "smoke", "optimizer": cases[0]["config"].optim.name,
+              "P": P, "M": microbatches, "steps": steps, "eval_every": eval_every, "load_before": load,
+              "load_after": os.getloadavg()[0], "curves": curves, "target_val_loss": target, "sync_train_s": sync_s,
+              "async_final_val_loss": fast[-1]["val_loss"], "async_train_s": fast[-1]["train_s"],
+              "reached_at_step": reach and reach["step"], "reached_at_s": reach and reach["train_s"],
+              "ratio": reach and reach["train_s"] / sync_s, "goal_ratio": goal}
+    result["goal_met"] = result["ratio"] is not None and result["ratio"] <= goal
+    print(f"{'run':<8}{'final val':>10}{'train s':>9}{'s/step':>8}")
+    for name, evals in curves.items():
+        print(f"{name:<8}{evals[-1]['val_loss']:>10.4f}{evals[-1]['train_s']:>9.1f}{evals[-1]['train_s'] / steps:>8.3f}")
+    if reach is None:
+        print(f"2bw+ef never reached 1f1b's final validation loss {target:.4f} in {steps} steps")
+    else:
+        print(f"2bw+ef reached {target:.4f} at step {reach['step']} after {reach['train_s']:.1f} s: "
+              f"{result['ratio']:.3f} x 1f1b's {sync_s:.1f} s (goal <= {goal:.3f}: "
+              f"{'met' if result['goal_met'] else 'not met'})")
+    print(f"load average {load:.1f} before, {result['load_after']:.1f} after, on {os.cpu_count()} cpus")
+    if out is not None:
+        root.mkdir(parents=True, exist_ok=True)
+        result["picture"] = str(_plot(curves, target, root / "time_to_loss.png"))
+        (root / "bench_time_to_loss.json").write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {root / 'bench_time_to_loss.json'}, {result['picture']}")
+    return result

@@ -1,0 +1,77 @@
+"""The measured-throughput bench: synthetic stages, the trace accounting, and one tiny run of the whole bench.
+
+The smoke run (P = 2, M = 2, 4 steps of 5 ms / 10 ms stages) checks the runtime's counts of activations in
+flight and weight versions against the schedule simulator exactly, and its step time within a loose 50 %
+(the machine is shared; docs/throughput.md has the real figures).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+
+import pytest
+import torch
+
+from bubblefree.bench.pipeline import peak_in_flight, run
+from bubblefree.bench.time_to_loss import first_reach
+from bubblefree.distributed.synthetic import SyntheticModel, SyntheticStage, _Sleep
+
+
+def test_sleep_function_is_h_times_w_and_takes_its_time():
+    h = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    torch.autograd.gradcheck(lambda a, b: _Sleep.apply(a, b, 0.0, 0.0), (h, w))
+    tic = time.perf_counter()
+    y = _Sleep.apply(h, w, 0.03, 0.05)
+    forward_s = time.perf_counter() - tic
+    tic = time.perf_counter()
+    y.sum().backward()
+    backward_s = time.perf_counter() - tic
+    assert 0.03 <= forward_s < 0.03 + 0.5 and 0.05 <= backward_s < 0.05 + 0.5
+    torch.testing.assert_close(h.grad, w.detach().expand(2, 3, 4), rtol=0, atol=0)
+
+
+def test_synthetic_stages_map_tokens_to_logits_and_run_on_meta():
+    model = SyntheticModel(3, vocab=5, t_forward=0.0, t_backward=0.0)
+    tokens = torch.tensor([[0, 4, 2]])
+    h = tokens
+    for s in range(3):
+        h = model.stage(s)(h)
+    torch.testing.assert_close(h, tokens.unsqueeze(-1).expand(1, 3, 5).float() / 5)  # weights start at one
+    assert copy.deepcopy(model.stage(0)).to("meta")(tokens.to("meta")).shape == (1, 3, 5)  # shape inference
+    with pytest.raises(ValueError, match="Invalid t_forward"):
+        SyntheticStage(first=True, vocab=5, t_forward=-1.0, t_backward=0.0)
+
+
+def test_peak_in_flight_counts_forwards_whose_backward_has_not_ended():
+    def rec(stage, kind, unit, start, end):
+        return {"stage": stage, "kind": kind, "step": 0, "unit": unit, "start": start, "end": end}
+
+    # stage 0: F0 F1 B0 F2 B1 B2 -> at most 2 in flight; stage 1: F B F B -> 1; updates are ignored.
+    records = [rec(0, "F", 0, 0, 1), rec(0, "F", 1, 1, 2), rec(0, "B", 0, 4, 6), rec(0, "F", 2, 6, 7),
+               rec(0, "B", 1, 7, 9), rec(0, "B", 2, 9, 11), rec(0, "U", -1, 11, 12),
+               rec(1, "F", 0, 1, 2), rec(1, "B", 0, 2, 4), rec(1, "F", 1, 4, 5), rec(1, "B", 1, 5, 7)]
+    assert peak_in_flight(records, 2, "1f1b", 3) == [2, 1]
+
+
+def test_first_reach_is_the_first_evaluation_at_or_below_the_target():
+    evals = [{"step": 10, "val_loss": 3.0}, {"step": 20, "val_loss": 2.5}, {"step": 30, "val_loss": 2.4}]
+    assert first_reach(evals, 2.5)["step"] == 20
+    assert first_reach(evals, 2.0) is None
+
+
+def test_bench_pipeline_smoke_matches_the_simulator(tmp_path):
+    result = run(tmp_path, stages=(2,), multiples=(1,), t_forward=0.005, t_backward=0.01, steps=4, real=False)
+    rows = {r["schedule"]: r for r in result["rows"]}
+    assert set(rows) == {"gpipe", "1f1b", "2bw"}
+    for r in rows.values():
+        assert r["peak_activations"] == r["sim_peak_activations"], r
+        assert r["weight_versions"] == r["sim_weight_versions"], r
+        assert r["prediction_error"] < 0.5, r
+    assert rows["2bw"]["weight_versions"] == [2, 2] and rows["1f1b"]["weight_versions"] == [1, 1]
+    assert rows["2bw"]["ideal_vs_1f1b"] == 1.5
+    saved = json.loads((tmp_path / "bench_pipeline.json").read_text())
+    assert [r["schedule"] for r in saved["rows"]] == ["gpipe", "1f1b", "2bw"]
+    assert (tmp_path / "pipeline_P2.png").stat().st_size > 1000
