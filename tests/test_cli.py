@@ -160,7 +160,7 @@ def test_ctrl_c_checkpoints_and_resume_finishes(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(SimExecutor, "train_step", interrupted_at_step_2)
     assert main(["train", "--preset", "smoke", *TINY, "--set", "train.log_every=1", "--out", str(out)]) == 130
     assert "interrupted" in capsys.readouterr().err
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000003.pt"]  # step 2 finished
+    assert sorted(p.name for p in (out / "checkpoints").glob("*.pt")) == ["step_00000003.pt"]  # step 2 finished
     monkeypatch.setattr(SimExecutor, "train_step", step_fn)
     assert main(["train", "--resume", str(out)]) == 0
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == list(range(1, 9))

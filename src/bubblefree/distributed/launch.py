@@ -9,6 +9,10 @@
 * Every rank that fails writes ``<run>/errors/rank<r>.json`` before exiting; a watchdog thread in every rank
   polls that folder and exits (code 1, printing the failed rank and its cause) as soon as another rank's
   file appears, so no rank waits for its point-to-point timeout when a peer raised.
+* Every rank joins the process group before its setup and meets the others once when setup is done
+  (:func:`~bubblefree.distributed.mesh.agree`): a rank whose setup failed (its node lacks the data file, say)
+  or a config that differs between ranks makes every rank exit at once naming the cause, also across nodes
+  that share no filesystem. A rank whose parent (the launcher or torchrun's agent) was killed exits too.
 * A :class:`~bubblefree.errors.UserError` (invalid input found inside a rank, e.g. a schedule the runtime
   does not run) stays one: :func:`launch_local` re-raises it with its one-line message, so the CLI exits 2,
   and the watchdogs stop the other ranks without printing.
@@ -96,10 +100,15 @@ def _watchdog(out_dir: Path, rank: int, period_s: float = 1.0) -> None:
     # (with a margin for ranks that start a little apart on one machine's clock).
     since = time.time() - STALE_MARGIN_S
     (out_dir / ERRORS_DIR / f"rank{rank}.json").unlink(missing_ok=True)
+    parent = os.getppid()
 
     def watch() -> None:
         while True:
             time.sleep(period_s)
+            if os.getppid() != parent:  # the launcher was killed (SIGKILL leaves no chance to stop its ranks)
+                print(f"bubblefree: rank {rank} stops because its launcher (pid {parent}) is gone",
+                      file=sys.stderr, flush=True)
+                os._exit(1)
             others = [r for r in read_errors(out_dir, since=since) if r["rank"] != rank]
             if others:
                 if not _user_error(out_dir, since=since):  # the launcher or the failing rank prints that line
@@ -110,10 +119,19 @@ def _watchdog(out_dir: Path, rank: int, period_s: float = 1.0) -> None:
     threading.Thread(target=watch, name="bubblefree-watchdog", daemon=True).start()
 
 
-def run_worker(config: Config, *, out_dir: str | Path, resume: bool = False) -> None:
+def _agree(config: Config, failure: BaseException | None) -> None:
+    from bubblefree.distributed.mesh import agree
+    from bubblefree.train.config import config_to_dict
+
+    agree(config_to_dict(config), failure)
+
+
+def run_worker(config: Config, *, out_dir: str | Path, resume: bool | str | Path = False) -> None:
     """Body of one process of a run (environment from torchrun or :func:`launch_local`)."""
     import torch.distributed as dist
 
+    from bubblefree.distributed.executor import DEFAULT_TIMEOUT_S
+    from bubblefree.distributed.mesh import init_backend
     from bubblefree.train.loop import train
 
     out_dir = Path(out_dir)
@@ -121,7 +139,12 @@ def run_worker(config: Config, *, out_dir: str | Path, resume: bool = False) -> 
     _watchdog(out_dir, rank)
     try:
         _maybe_fault(rank, when="start")
-        train(config, out_dir=out_dir, resume=resume)
+        # The device type decides the backend; a config asking for a missing CUDA fails in the setup, on
+        # every rank alike (the ranks agree on the config).
+        cuda = config.train.device != "cpu" and torch.cuda.is_available()
+        init_backend(timeout_s=float(os.environ.get("BUBBLEFREE_P2P_TIMEOUT", DEFAULT_TIMEOUT_S)),
+                     device_type="cuda" if cuda else "cpu")
+        train(config, out_dir=out_dir, resume=resume, barrier=_agree)
         if dist.is_initialized():
             dist.destroy_process_group()
     except BaseException as exc:
@@ -141,14 +164,16 @@ def _maybe_fault(rank: int, *, when: str | int) -> None:
         raise RuntimeError(f"injected fault at step {when}")
 
 
-def _spawned(index: int, config: Config, out_dir: str, nprocs: int, port: int, resume: bool, threads: int) -> None:
+def _spawned(index: int, config: Config, out_dir: str, nprocs: int, port: int, resume: bool | str | Path,
+             threads: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(index), LOCAL_RANK=str(index),
                       WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs))
     torch.set_num_threads(threads)
     run_worker(config, out_dir=out_dir, resume=resume)
 
 
-def launch_local(config: Config, out_dir: str | Path, nprocs: int | None = None, *, resume: bool = False) -> None:
+def launch_local(config: Config, out_dir: str | Path, nprocs: int | None = None, *,
+                 resume: bool | str | Path = False) -> None:
     """Run ``config`` with ``nprocs`` local processes (default ``pipeline.stages``; a multiple of it gives
     ``nprocs / P`` data-parallel replicas). Raises :class:`PipelineFailure` naming the first failed rank, or
     the :class:`~bubblefree.errors.UserError` a rank raised."""

@@ -4,6 +4,12 @@ Ranks are laid out pipeline-major, ``rank = replica * P + stage``, so the ``P`` 
 neighbours (on one node when a node holds a whole pipeline, which keeps the point-to-point traffic local)
 and the ``R`` copies of one stage form the data-parallel group whose gradients are all-reduced.
 The backend is ``nccl`` on CUDA (device ``cuda:LOCAL_RANK``) and ``gloo`` on the CPU.
+
+:func:`agree` is the one collective a run makes at startup, after every rank has read its config, checkpoint
+and data and built its model: it makes every rank fail, naming the cause, when one rank's setup failed (a data
+file missing on that node's disk) or when the ranks were started with different configs. Without it the
+healthy ranks would wait for the failed one until the process group's timeout, and different configs would
+run a pipeline whose stages disagree on the model or the update rule.
 """
 
 from __future__ import annotations
@@ -11,11 +17,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Mesh", "init_mesh", "rank_coords"]
+__all__ = ["Mesh", "agree", "init_backend", "init_mesh", "rank_coords"]
 
 
 def rank_coords(rank: int, *, stages: int) -> tuple[int, int]:
@@ -52,12 +59,9 @@ class Mesh:
         return self.replica * self.stages + stage
 
 
-def init_mesh(*, stages: int, timeout_s: float, device_type: str = "cpu") -> Mesh:
-    """Join the process group described by the torchrun environment (``RANK``, ``WORLD_SIZE``, ``MASTER_*``).
-
-    ``device_type`` is ``cpu`` (gloo) or ``cuda`` (nccl, one GPU per local rank). ``timeout_s`` bounds every
-    collective and point-to-point wait, so a vanished peer ends the run instead of hanging it.
-    """
+def init_backend(*, timeout_s: float, device_type: str = "cpu") -> torch.device:
+    """Join the default process group (once) and return this rank's device: ``nccl`` on ``cuda:LOCAL_RANK``
+    for ``device_type = "cuda"``, else ``gloo`` on the CPU."""
     if device_type == "cuda":
         backend, device = "nccl", torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
@@ -65,6 +69,48 @@ def init_mesh(*, stages: int, timeout_s: float, device_type: str = "cpu") -> Mes
         backend, device = "gloo", torch.device("cpu")
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    return device
+
+
+def _flat(config: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    return {f"{section}.{key}": value for section, table in config.items() for key, value in table.items()}
+
+
+def agree(config: dict[str, dict[str, Any]], failure: BaseException | None) -> None:
+    """All-gather every rank's config (``{section: {key: value}}``) and setup failure; raise on every rank
+    that did not fail itself when any rank failed (naming the first) or when the configs differ (listing the
+    keys). A rank whose own setup failed returns, to raise its own error. Invalid input (a failed rank's
+    ``ValueError``, different configs) is a :class:`~bubblefree.errors.UserError`."""
+    from bubblefree.errors import UserError
+
+    mine = (config, None if failure is None else (type(failure).__name__, str(failure),
+                                                  isinstance(failure, ValueError)))
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    if failure is not None:
+        return
+    failed = [(rank, f) for rank, (_, f) in enumerate(gathered) if f is not None]
+    if failed:
+        rank, (kind, message, invalid_input) = failed[0]
+        if invalid_input:
+            raise UserError(f"rank {rank}: {message}")
+        raise RuntimeError(f"rank {rank} failed while setting up: {kind}: {message}")
+    reference = _flat(gathered[0][0])
+    for rank, (other, _) in enumerate(gathered):
+        differ = {k: (reference[k], v) for k, v in _flat(other).items() if reference.get(k) != v}
+        if differ:
+            listed = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in sorted(differ.items()))
+            raise UserError(f"Invalid launch: the ranks were started with different configs; rank {rank} "
+                            f"differs from rank 0 in {listed}")
+
+
+def init_mesh(*, stages: int, timeout_s: float, device_type: str = "cpu") -> Mesh:
+    """Join the process group described by the torchrun environment (``RANK``, ``WORLD_SIZE``, ``MASTER_*``).
+
+    ``device_type`` is ``cpu`` (gloo) or ``cuda`` (nccl, one GPU per local rank). ``timeout_s`` bounds every
+    collective and point-to-point wait, so a vanished peer ends the run instead of hanging it.
+    """
+    device = init_backend(timeout_s=timeout_s, device_type=device_type)
     world, rank = dist.get_world_size(), dist.get_rank()
     if stages < 1 or world % stages:
         raise ValueError(f"Invalid pipeline.stages: {stages} (the {world} processes must be a multiple of it)")
