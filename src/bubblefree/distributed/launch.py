@@ -181,6 +181,7 @@ def launch_local(config: Config, out_dir: str | Path, nprocs: int | None = None,
     if nprocs < 1 or nprocs % config.pipeline.stages:
         raise ValueError(f"Invalid nprocs: {nprocs} (must be a multiple of pipeline.stages = {config.pipeline.stages})")
     out_dir = Path(out_dir)
+    fresh = not out_dir.exists()
     shutil.rmtree(out_dir / ERRORS_DIR, ignore_errors=True)  # an earlier attempt's failures are not this run's
     config = dataclasses.replace(config, pipeline=dataclasses.replace(config.pipeline, runtime="distributed"))
     threads = max(1, (os.cpu_count() or 1) // nprocs)
@@ -195,7 +196,12 @@ def launch_local(config: Config, out_dir: str | Path, nprocs: int | None = None,
     except ProcessException as exc:  # join() has already terminated the other processes
         own_errors = [r for r in read_errors(out_dir) if r["peer"] is None]
         if _user_error(out_dir):
-            raise UserError(_user_error(out_dir)) from None
+            message = _user_error(out_dir)
+            # Invalid input leaves nothing behind: the error records were only the ranks' way to stop together.
+            shutil.rmtree(out_dir / ERRORS_DIR, ignore_errors=True)
+            if fresh and out_dir.is_dir() and not any(out_dir.iterdir()):
+                out_dir.rmdir()
+            raise UserError(message) from None
         if isinstance(exc, ProcessExitedException) and exc.signal_name and not own_errors:
             cause = f"rank {exc.error_index} was killed by {exc.signal_name}"
         else:
