@@ -112,11 +112,11 @@ def _worker(index: int, nprocs: int, port: int, cases: list[dict]) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(index), LOCAL_RANK=str(index),
                       WORLD_SIZE=str(nprocs))
     torch.set_num_threads(1)  # one per rank: several ranks share 2 cores
-    mesh = init_mesh(stages=nprocs, timeout_s=300)
+    mesh = init_mesh(stages=nprocs, timeout_s=120)
     for case in cases:
         config, out = case["config"], Path(case["dir"])
         model, data, stage_module = _build(case, mesh.stage)
-        executor = DistributedExecutor(config, model, data, out_dir=out, mesh=mesh, timeout_s=300,
+        executor = DistributedExecutor(config, model, data, out_dir=out, mesh=mesh, timeout_s=120,
                                        stage_module=stage_module)
         versions = _versions_counter(executor.stage) if case.get("synthetic") else [None]
         cfg, train_s, evals = config.train, 0.0, []
@@ -248,7 +248,7 @@ def print_table(rows: list[dict]) -> None:
 
 
 def run(out: Path | None = None, *, stages: tuple[int, ...] = (4, 8), multiples: tuple[int, ...] = (1, 2, 4),
-        t_forward: float = 0.02, t_backward: float = 0.04, steps: int = 5, real: bool = True,
+        t_forward: float = 0.04, t_backward: float = 0.08, steps: int = 5, real: bool = True,
         real_microbatches: int = 4, real_steps: int = 8, schedules: tuple[str, ...] = SCHEDULES) -> dict:
     """Measure (module docstring), print the table, write ``bench_pipeline.json`` and one PNG per ``P``
     (measured 1F1B and 2BW timelines beside the simulator's, at the middle of ``multiples``: ``M = 2P`` by

@@ -19,6 +19,7 @@ from torch import Tensor
 __all__ = ["P2P", "PeerFailure"]
 
 _MAX_DIMS = 6
+_MAX_PENDING = 64
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32]
 
 
@@ -47,8 +48,26 @@ class P2P:
     def send(self, tensor: Tensor, peer: int) -> None:
         tensor = tensor.detach().contiguous()
         self._pending.append((dist.isend(tensor, peer), tensor, peer))
-        if len(self._pending) > 64:  # bound the memory of tensors held for sends in flight
-            self.flush()
+        if len(self._pending) > _MAX_PENDING:  # bound the memory of tensors held for sends in flight
+            self._release()
+
+    def _release(self) -> None:
+        """Forget the sends that have completed, then wait for the oldest until at most ``_MAX_PENDING`` remain.
+
+        Never a whole flush here: two neighbours that both waited for all their sends (activations one way,
+        gradients the other) would each wait for a receive the other cannot post (seen with 2BW at P=4,
+        M=16). Receivers take their messages in order, so the oldest send is the first to complete.
+        """
+        still = []
+        for work, tensor, peer in self._pending:
+            if work.is_completed():
+                self._wait(work, peer, "send")  # returns at once; raises if the transfer failed
+            else:
+                still.append((work, tensor, peer))
+        while len(still) > _MAX_PENDING:
+            work, _, peer = still.pop(0)
+            self._wait(work, peer, "send")
+        self._pending = still
 
     def recv(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype, peer: int) -> Tensor:
         buf = torch.empty(shape, dtype=dtype, device=self.device)
