@@ -89,3 +89,30 @@ def test_use_foreach_resolves_by_device():
     assert bo.base.use_foreach(True, cpu) is True
     assert bo.base.use_foreach(False, [torch.zeros(2, device="meta")]) is False
     assert bo.base.use_foreach(None, [torch.zeros(2, device="meta")]) is True
+
+
+@pytest.mark.parametrize("beta", [1.0, 0.5])
+def test_ef_rounds_the_same_whether_or_not_it_writes_in_place(beta):
+    """Updates that cannot become a parameter's storage (here views into a larger buffer, like a resumed run's
+    copies versus a live run's batched results) take the out-of-place path: the bits must not change."""
+
+    def as_views(opt):
+        real = opt.compute_updates
+
+        def views():
+            return [None if u is None else torch.cat([u.flatten(), u.new_zeros(1)])[:-1].view_as(u) for u in real()]
+
+        opt.compute_updates = views
+        return opt
+
+    runs = []
+    for wrap in (lambda opt: opt, as_views):
+        g = torch.Generator().manual_seed(5)
+        params = [nn.Parameter(torch.randn(s, generator=g)) for s in SHAPES]
+        delayed = DelayedOptimizer(wrap(bo.AdamW(params, lr=1e-2)), delays=2, correction="ef", ef_beta=beta)
+        for _ in range(6):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g)
+            delayed.step()
+        runs.append([p.detach().clone() for p in params])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))

@@ -263,12 +263,11 @@ class DelayedOptimizer:
                     new.add_(old.to(p.dtype), alpha=beta)  # u_t = 0: x_{t+1} = x_t + beta u_{t-d}
             elif not ef and _can_hold(u, p):
                 new = torch.add(p, u, alpha=-1.0, out=u)
-            elif old is not None and _can_hold(old, p):
-                new = torch.add(p, old, alpha=beta, out=old).add_(u, alpha=-(1.0 + beta))
+            elif old is not None:  # the same operations wherever they write (bit-exact resume, tests)
+                new = torch.add(p, old.to(p.dtype), alpha=beta, out=old if _can_hold(old, p) else stale)
+                new.add_(u.to(p.dtype), alpha=-(1.0 + beta))
             else:
                 new = torch.add(p, u.to(p.dtype), alpha=-(1.0 + beta) if ef else -1.0, out=stale)
-                if old is not None:
-                    new.add_(old.to(p.dtype), alpha=beta)
             if ef:
                 self._ef[i][slot[i]] = u
             dead.extend(x for x in (stale, old if ef else u) if x is not None and x is not new)  # now unused
