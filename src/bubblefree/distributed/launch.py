@@ -58,12 +58,14 @@ def _free_port() -> int:
 
 def _write_error(out_dir: Path, rank: int, exc: BaseException) -> None:
     from bubblefree.distributed.p2p import PeerFailure
+    from bubblefree.train.loop import TrainingDiverged
 
     folder = out_dir / ERRORS_DIR
     folder.mkdir(parents=True, exist_ok=True)
     record = {"rank": rank, "cause": f"{type(exc).__name__}: {exc}", "time": time.time(),
               "peer": exc.peer if isinstance(exc, PeerFailure) else None,
               "user_error": str(exc) if isinstance(exc, UserError) else None,
+              "diverged": str(exc) if isinstance(exc, TrainingDiverged) else None,
               "traceback": "".join(traceback.format_exception(exc))[-4000:]}
     tmp = folder / f".rank{rank}.tmp"
     tmp.write_text(json.dumps(record))
@@ -202,6 +204,11 @@ def launch_local(config: Config, out_dir: str | Path, nprocs: int | None = None,
             if fresh and out_dir.is_dir() and not any(out_dir.iterdir()):
                 out_dir.rmdir()
             raise UserError(message) from None
+        diverged = [r["diverged"] for r in own_errors if r.get("diverged")]
+        if diverged:  # the writer stopped the run on a non-finite loss: the CLI's exit code 3, not a crash
+            from bubblefree.train.loop import TrainingDiverged
+
+            raise TrainingDiverged(diverged[0]) from None
         if isinstance(exc, ProcessExitedException) and exc.signal_name and not own_errors:
             cause = f"rank {exc.error_index} was killed by {exc.signal_name}"
         else:
