@@ -42,6 +42,7 @@ def reproduce(suite: str, *, scale: str = "cpu", out: str | Path | None = None, 
     Raises UserError (a ValueError) for an unknown suite, scale or optimizer, or ``gpu`` without a GPU.
     """
     spec, sc = get_suite(suite), get_scale(scale, seeds=seeds)
+    commit()  # record the commit of the code this process imported, before the tree can move on
     chosen = spec.optimizers if optimizers is None else tuple(optimizers)
     unknown = [o for o in chosen if o not in spec.optimizers]
     if unknown or not chosen:

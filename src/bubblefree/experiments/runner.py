@@ -12,6 +12,7 @@ without its checkpoints; a partial one left by an interruption is discarded and 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import math
@@ -70,8 +71,12 @@ def run_id(run: Run) -> str:
     return f"{run.name}-{digest}"
 
 
+@functools.cache
 def commit() -> str:
-    """The git commit of the source tree (``+dirty`` with uncommitted changes), or ``unknown``."""
+    """The git commit of the source tree (``+dirty`` with uncommitted changes), or ``unknown``.
+
+    Read once per process, at the first call (before the first run): the code a process runs is the code it
+    imported, even if the tree moves on while a long suite runs."""
     here = Path(__file__).resolve().parent
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
