@@ -1,8 +1,8 @@
 """How big the reproduction runs are: ``smoke`` (seconds per run), ``cpu`` (the default) and ``gpu``.
 
 A :class:`Scale` holds the base run (built from the run presets of ``bubblefree.train.presets``), the number
-of seeds, the learning-rate factors of the synchronous sweep, and the models of the suites that need another
-one (a 32-layer narrow model for the depth-16 schedules, an MoE). Sizing:
+of seeds, the learning-rate factors of the synchronous sweep, and the model presets of the suites that need
+another one (a 32-layer narrow ``deep-*`` model for the depth-16 schedules, an MoE). Sizing:
 
 - ``smoke``: the ``smoke`` run preset (llama-1m, byte tokenizer, 40 steps of 8 x 64 tokens), one seed, a
   two-point sweep. A run takes 1-2 s on one core, so every suite finishes in a few minutes.
@@ -17,17 +17,13 @@ one (a 32-layer narrow model for the depth-16 schedules, an MoE). Sizing:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from bubblefree.errors import UserError
-from bubblefree.models import PRESETS as MODEL_PRESETS
-from bubblefree.models.llama import ModelArgs
-from bubblefree.models.presets import DEFAULT_VOCAB
 from bubblefree.train.config import Config, apply_overrides
 from bubblefree.train.presets import get_preset
 
-__all__ = ["EXTRA_MODELS", "SCALES", "Scale", "get_scale", "register_models"]
+__all__ = ["SCALES", "Scale", "get_scale"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,43 +45,6 @@ class Scale:
 
     moe_model: str
     """Model preset of the ``moe`` suite."""
-
-
-def _deep(dim: int, heads: int, hidden: int) -> Callable[..., ModelArgs]:
-    def args(vocab_size: int = DEFAULT_VOCAB) -> ModelArgs:
-        return ModelArgs(vocab_size=vocab_size, dim=dim, n_layers=32, n_heads=heads, n_kv_heads=heads,
-                         mlp_hidden=hidden)
-    return args
-
-
-def _moe(dim: int, hidden: int) -> Callable[..., ModelArgs]:
-    def args(vocab_size: int = DEFAULT_VOCAB) -> ModelArgs:
-        return ModelArgs(vocab_size=vocab_size, dim=dim, n_layers=4, n_heads=4, n_kv_heads=2, mlp_hidden=hidden,
-                         n_experts=8, top_k=2, n_shared_experts=1, expert_hidden=hidden)
-    return args
-
-
-# Models the suites need beyond ``bubblefree.models.PRESETS``; names carry the total parameter count at the
-# default vocabulary, as the presets' do. ``deep-*``: 32-layer narrow llamas, since WPipe at depth 16 cuts the
-# model into 32 partitions. ``moe-1m`` / ``moe-6m``: moe-20m's routing (8 experts, top-2, one shared) at
-# smoke / cpu cost (moe-20m took 70 s for the 40 smoke steps on the shared machine).
-EXTRA_MODELS: dict[str, Callable[..., ModelArgs]] = {
-    "deep-1m": _deep(32, 2, 112),
-    "deep-3m": _deep(64, 2, 240),
-    "deep-30m": _deep(256, 4, 768),
-    "moe-1m": _moe(40, 88),
-    "moe-6m": _moe(128, 256),
-}
-
-
-def register_models() -> None:
-    """Add :data:`EXTRA_MODELS` to the model presets, so ``model.preset = "deep-3m"`` validates and builds.
-
-    Additive and idempotent: an existing entry of the same name is left alone. (Permanent presets in
-    ``bubblefree.models.presets`` would make these run folders re-runnable without this package.)
-    """
-    for name, factory in EXTRA_MODELS.items():
-        MODEL_PRESETS.setdefault(name, factory)
 
 
 # Evaluation and logging settings shared by every scale's runs: the progress bar is the suite's, not the run's.
@@ -131,7 +90,6 @@ def get_scale(name: str, *, seeds: int | None = None) -> Scale:
         raise UserError(f"Invalid scale: {name!r} (expected one of {', '.join(SCALES)})")
     if seeds is not None and (isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1):
         raise ValueError(f"Invalid seeds: {seeds!r} (must be an integer >= 1)")
-    register_models()
     scale = SCALES[name]()
     if seeds is not None:
         scale = Scale(**{**scale.__dict__, "seeds": seeds})

@@ -79,6 +79,20 @@ def moe_10b(vocab_size: int = SMOLLM2_VOCAB) -> ModelArgs:
     )  # fmt: skip
 
 
+def _deep(dim: int, heads: int, hidden: int) -> Callable[..., ModelArgs]:
+    def args(vocab_size: int = DEFAULT_VOCAB) -> ModelArgs:
+        return ModelArgs(vocab_size=vocab_size, dim=dim, n_layers=32, n_heads=heads, n_kv_heads=heads,
+                         mlp_hidden=hidden)
+    return args
+
+
+def _small_moe(dim: int, hidden: int) -> Callable[..., ModelArgs]:
+    def args(vocab_size: int = DEFAULT_VOCAB) -> ModelArgs:
+        return ModelArgs(vocab_size=vocab_size, dim=dim, n_layers=4, n_heads=4, n_kv_heads=2, mlp_hidden=hidden,
+                         n_experts=8, top_k=2, n_shared_experts=1, expert_hidden=hidden)
+    return args
+
+
 PRESETS: dict[str, Callable[..., ModelArgs]] = {
     "llama-1m": llama_1m,
     "llama-5m": llama_5m,
@@ -88,6 +102,13 @@ PRESETS: dict[str, Callable[..., ModelArgs]] = {
     "smollm2-360m": smollm2_360m,
     "moe-2b": moe_2b,
     "moe-10b": moe_10b,
+    # For the reproduction suites (bubblefree.experiments): 32-layer narrow models, since WPipe at depth 16 cuts
+    # the model into 32 partitions, and moe-20m's routing at smoke / CPU-suite cost.
+    "deep-1m": _deep(32, 2, 112),
+    "deep-3m": _deep(64, 2, 240),
+    "deep-30m": _deep(256, 4, 768),
+    "moe-1m": _small_moe(40, 88),
+    "moe-6m": _small_moe(128, 256),
 }
 """Preset name -> ``ModelArgs`` factory taking an optional ``vocab_size``."""
 
