@@ -106,7 +106,7 @@ def _resume(out: Path) -> str:
 @pytest.mark.parametrize("overrides", [
     ["pipeline.schedule=sync", "delay.correction=none"],
     ["pipeline.schedule=2bw", "delay.correction=ef"],
-    ["pipeline.schedule=pipedream", "pipeline.stages=3", "delay.correction=none"],
+    ["pipeline.schedule=pipedream", "pipeline.stages=3", "delay.correction=ef"],
 ], ids=["sync", "2bw-ef", "pipedream"])
 def test_sigkill_then_resume_is_bit_exact(tmp_path, overrides):
     steps, overrides = 60, [*TINY, *overrides]
