@@ -234,8 +234,8 @@ def _fmt(values: list[int] | None) -> str:
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'kind':<10}{'sched':<7}{'P':>3}{'M':>4}{'step s':>9}{'pred s':>9}{'err':>7}{'mb/s':>8}{'tok/s':>9}"
-          f"{'2bw/1f1b':>9}{'ideal':>7}{'of ideal':>9}  {'act (sim)':<24}{'versions (sim)':<24}")
+    print(f"{'kind':<15}{'sched':<7}{'P':>3}{'M':>4}{'step s':>9}{'pred s':>9}{'err':>7}{'mb/s':>8}{'tok/s':>9}"
+          f"{'2bw/1f1b':>9}{'ideal':>7}{'of ideal':>9}  {'activations (sim)':<36}{'versions (sim)':<36}")
     for r in rows:
         pred = f"{r['predicted_step_s']:>9.3f}{r['prediction_error']:>7.1%}" if "predicted_step_s" in r else \
             f"{'-':>9}{'-':>7}"
@@ -243,13 +243,13 @@ def print_table(rows: list[dict]) -> None:
             f"{'':>9}{'':>7}{'':>9}"
         act = f"{_fmt(r['peak_activations'])} ({_fmt(r.get('sim_peak_activations'))})"
         ver = f"{_fmt(r.get('weight_versions'))} ({_fmt(r.get('sim_weight_versions'))})"
-        print(f"{r['kind']:<10}{r['schedule']:<7}{r['P']:>3}{r['M']:>4}{r['step_s']:>9.3f}{pred}"
-              f"{r['microbatches_per_s']:>8.1f}{r['tokens_per_s']:>9.0f}{ratio}  {act:<24}{ver:<24}")
+        print(f"{r['kind']:<15}{r['schedule']:<7}{r['P']:>3}{r['M']:>4}{r['step_s']:>9.3f}{pred}"
+              f"{r['microbatches_per_s']:>8.1f}{r['tokens_per_s']:>9.0f}{ratio}  {act:<36}{ver:<36}")
 
 
 def run(out: Path | None = None, *, stages: tuple[int, ...] = (4, 8), multiples: tuple[int, ...] = (1, 2, 4),
         t_forward: float = 0.04, t_backward: float = 0.08, steps: int = 5, real: bool = True,
-        real_microbatches: int = 4, real_steps: int = 8, schedules: tuple[str, ...] = SCHEDULES) -> dict:
+        real_microbatches: int = 4, real_steps: int = 40, schedules: tuple[str, ...] = SCHEDULES) -> dict:
     """Measure (module docstring), print the table, write ``bench_pipeline.json`` and one PNG per ``P``
     (measured 1F1B and 2BW timelines beside the simulator's, at the middle of ``multiples``: ``M = 2P`` by
     default) to ``out`` (a temporary folder if None)."""

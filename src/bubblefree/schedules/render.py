@@ -55,7 +55,7 @@ def draw_timelines(timelines: Sequence[Timeline], path: str | Path, *, max_micro
 
 
 def draw_panels(panels: Sequence[Panel], path: str | Path, *, max_microbatches: int = 64) -> Path:
-    """Write one PNG with the panels stacked (same colours and labels as :func:`draw_timelines`)."""
+    """Write one PNG with the panels stacked on one time axis (colours and labels as :func:`draw_timelines`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -64,8 +64,8 @@ def draw_panels(panels: Sequence[Panel], path: str | Path, *, max_microbatches: 
     fig, axes = plt.subplots(len(panels), 1, figsize=(12, 1.1 + 0.45 * sum(p.n_ranks for p in panels)),
                              squeeze=False)
     cmap = plt.get_cmap("tab20")
+    makespan = max(p.makespan for p in panels)  # one time scale, so panels compare at a glance
     for ax, panel in zip(axes[:, 0], panels, strict=True):
-        makespan = panel.makespan
         for s in panel.spans:
             color = cmap((s.microbatch % 10) * 2 + (0 if s.kind == "B" else 1))
             ax.barh(s.rank, s.end - s.start, left=s.start, height=0.8, color=color, edgecolor="black",
