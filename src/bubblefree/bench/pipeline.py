@@ -284,12 +284,12 @@ def run(out: Path | None = None, *, stages: tuple[int, ...] = (4, 8), multiples:
             panels = []
             for c in shown:
                 pipe = c["config"].pipeline
-                panels.append(trace_panel(c["records"], title=f"measured {pipe.schedule}: P={P}, M={pipe.microbatches}, "
-                                          f"t_F={t_forward:g} s, t_B={t_backward:g} s", n_stages=P,
-                                          schedule=pipe.schedule, m=pipe.microbatches))
+                title = f"measured {pipe.schedule}: P={P}, M={pipe.microbatches}, F {t_forward:g} s, B {t_backward:g} s"
+                panels.append(trace_panel(c["records"], title=title, n_stages=P, schedule=pipe.schedule,
+                                          m=pipe.microbatches))
                 sim = timeline_panel(c["timeline"])
                 panels.append(replace(sim, title=f"simulated {sim.title}", xlabel="seconds"))
-            pictures.append(str(draw_panels(panels, root / f"pipeline_P{P}.png")))
+            pictures.append(str(draw_panels(panels, root / f"pipeline_P{P}.png", dpi=80)))
     _add_ratios(rows)
     print_table(rows)
     result = {"command": "bubblefree bench pipeline", "t_forward": t_forward, "t_backward": t_backward,

@@ -82,7 +82,8 @@ def run(out: Path | None = None, *, steps: int = 200, eval_every: int = 20, micr
     result["goal_met"] = result["ratio"] is not None and result["ratio"] <= goal
     print(f"{'run':<8}{'final val':>10}{'train s':>9}{'s/step':>8}")
     for name, evals in curves.items():
-        print(f"{name:<8}{evals[-1]['val_loss']:>10.4f}{evals[-1]['train_s']:>9.1f}{evals[-1]['train_s'] / steps:>8.3f}")
+        last = evals[-1]
+        print(f"{name:<8}{last['val_loss']:>10.4f}{last['train_s']:>9.1f}{last['train_s'] / steps:>8.3f}")
     if reach is None:
         print(f"2bw+ef never reached 1f1b's final validation loss {target:.4f} in {steps} steps")
     else:

@@ -54,7 +54,7 @@ def draw_timelines(timelines: Sequence[Timeline], path: str | Path, *, max_micro
     return draw_panels([timeline_panel(tl) for tl in timelines], path, max_microbatches=max_microbatches)
 
 
-def draw_panels(panels: Sequence[Panel], path: str | Path, *, max_microbatches: int = 64) -> Path:
+def draw_panels(panels: Sequence[Panel], path: str | Path, *, max_microbatches: int = 64, dpi: int = 130) -> Path:
     """Write one PNG with the panels stacked on one time axis (colours and labels as :func:`draw_timelines`)."""
     import matplotlib
 
@@ -80,6 +80,6 @@ def draw_panels(panels: Sequence[Panel], path: str | Path, *, max_microbatches: 
         ax.set_xlabel(panel.xlabel, fontsize=8)
     fig.tight_layout()
     path = Path(path)
-    fig.savefig(path, dpi=130)
+    fig.savefig(path, dpi=dpi)
     plt.close(fig)
     return path
