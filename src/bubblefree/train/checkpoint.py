@@ -177,10 +177,17 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any] | None:
 def load_checkpoint(path: str | Path, *, map_location: str | torch.device = "cpu") -> dict[str, Any]:
     """Load a checkpoint written by :func:`save_checkpoint` after checking it against its manifest; a missing,
     truncated, altered or foreign file is a UserError naming it."""
+    from bubblefree import __version__
+
     path = Path(path)
-    if verify_checkpoint(path) is None:
+    manifest = verify_checkpoint(path)
+    if manifest is None:
         print(f"bubblefree: warning: {path} has no manifest ({manifest_path(path).name}); loading it unverified",
               file=sys.stderr, flush=True)
+    elif (manifest.get("bubblefree"), manifest.get("torch")) != (__version__, torch.__version__):
+        print(f"bubblefree: warning: {path} was written by bubblefree {manifest.get('bubblefree')} with torch "
+              f"{manifest.get('torch')}, this is {__version__} with {torch.__version__}: the resumed steps may "
+              f"differ in the last bits from those the original versions would compute", file=sys.stderr, flush=True)
     try:
         payload = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # torch reports a torn or foreign file with several exception types

@@ -17,8 +17,8 @@ import os
 import random
 import signal
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -181,9 +181,10 @@ def train(config: Config, *, out_dir: str | Path, resume: bool | str | Path = Fa
     """Train as ``config`` says, writing config.toml, metrics.jsonl, checkpoints and loss.png to ``out_dir``.
 
     With ``resume`` the newest checkpoint in ``out_dir`` (or the checkpoint file ``resume`` names) is loaded
-    and the run continues from it; the steps after it are identical to those of an uninterrupted run. Returns the run's summary. Invalid input is
-    reported as a UserError before anything is written (a ValueError from the library while setting up is
-    invalid input too: that is how the library reports bad arguments).
+    and the run continues from it; the steps after it are identical to those of an uninterrupted run. Returns
+    the run's summary. Invalid input is reported as a UserError before anything is written (a ValueError from
+    the library while setting up is invalid input too: that is how the library reports bad arguments).
+    ``barrier`` (:data:`SetupBarrier`) lets the processes of a distributed run meet once after their setup.
 
     Every process of a distributed run calls this; they make the same executor calls in the same order, and
     only the executor's writer writes files and prints (the others return an empty summary).
@@ -197,7 +198,8 @@ def train(config: Config, *, out_dir: str | Path, resume: bool | str | Path = Fa
         torch.set_num_threads(threads)
 
 
-def _run(config: Config, out_dir: Path, resume: bool | str | Path, barrier: SetupBarrier | None) -> dict[str, Any]:
+def _run(config: Config, out_dir: Path, resume: bool | str | Path,
+         barrier: SetupBarrier | None) -> dict[str, Any]:
     cfg = config.train
     try:
         executor, ckpt, n_params, source = _build(config, out_dir, resume, barrier)
