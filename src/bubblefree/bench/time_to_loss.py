@@ -1,12 +1,12 @@
 """Time to quality: wall-clock for 2BW + Error Feedback to reach synchronous 1F1B's final validation loss.
 
-``bubblefree bench time-to-loss`` trains the real model (the ``smoke`` preset's, Muon, on the embedded corpus)
-on the distributed runtime at ``P = 2`` twice, for the same number of steps and on the same data: with the
-stock ``Schedule1F1B`` (synchronous, no delay) and with our PipeDream-2BW loop (delay 1) plus Error Feedback
-(arXiv 2606.30634). Both evaluate every ``eval_every`` steps; the wall-clock is rank 0's time inside
-``train_step`` (evaluation excluded, the 2BW refill after each evaluation's drain included). The headline is
-the training time at which 2BW + EF first reaches 1F1B's final validation loss, over 1F1B's total training
-time; a bubble-free schedule that lost nothing to the delay would reach ``M / (M+P-1)``, and the goal is at
+``bubblefree bench time-to-loss`` trains the real model of ``bench pipeline`` (the ``smoke`` preset with
+``REAL_OVERRIDES``: Muon, the embedded corpus) on the distributed runtime at ``P = 2`` twice, for the same
+number of steps and on the same data: with the stock ``Schedule1F1B`` (synchronous, no delay) and with our
+PipeDream-2BW loop (delay 1) plus Error Feedback (arXiv 2606.30634). Both evaluate every ``eval_every``
+steps; the wall-clock is rank 0's time inside ``train_step`` (evaluation excluded, the 2BW refill after each
+evaluation's drain included). The headline is the training time at which 2BW + EF first reaches 1F1B's
+final validation loss, over 1F1B's total training time; a bubble-free schedule that lost nothing to the delay would reach ``M / (M+P-1)``, and the goal is at
 most ``1.05 M / (M+P-1)``. The first crossing is only known to the resolution of the evaluations.
 
     bubblefree bench time-to-loss --out DIR    # bench_time_to_loss.json, time_to_loss.png, run folders
@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bubblefree.bench.pipeline import run_cases
+from bubblefree.bench.pipeline import REAL_OVERRIDES, run_cases
 from bubblefree.train.config import load_config
 
 __all__ = ["RUNS", "first_reach", "run"]
@@ -61,8 +61,8 @@ def run(out: Path | None = None, *, steps: int = 200, eval_every: int = 20, micr
         raise ValueError(f"Invalid steps/eval_every: {steps}/{eval_every} (must be >= 1)")
     root = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="bench_ttl-"))
     stamp, P = time.strftime("%Y%m%d-%H%M%S"), 2
-    common = ["pipeline.runtime=distributed", f"pipeline.stages={P}", f"pipeline.microbatches={microbatches}",
-              f"train.steps={steps}", "train.eval_batches=8"]
+    common = [*REAL_OVERRIDES, "pipeline.runtime=distributed", f"pipeline.stages={P}",
+              f"pipeline.microbatches={microbatches}", f"train.steps={steps}", "train.eval_batches=8"]
     cases = [{"config": load_config("smoke", None, common + overrides), "eval_every": eval_every,
               "lr_schedule": True, "dir": str(root / "runs" / stamp / name)} for name, overrides in RUNS.items()]
     load = os.getloadavg()[0]
@@ -73,7 +73,8 @@ def run(out: Path | None = None, *, steps: int = 200, eval_every: int = 20, micr
     target, sync_s = sync[-1]["val_loss"], sync[-1]["train_s"]
     reach = first_reach(fast, target)
     goal = 1.05 * microbatches / (microbatches + P - 1)
-    result = {"command": "bubblefree bench time-to-loss", "preset": "smoke", "optimizer": cases[0]["config"].optim.name,
+    result = {"command": "bubblefree bench time-to-loss", "preset": cases[0]["config"].model.preset,
+              "optimizer": cases[0]["config"].optim.name,
               "P": P, "M": microbatches, "steps": steps, "eval_every": eval_every, "load_before": load,
               "load_after": os.getloadavg()[0], "curves": curves, "target_val_loss": target, "sync_train_s": sync_s,
               "async_final_val_loss": fast[-1]["val_loss"], "async_train_s": fast[-1]["train_s"],
