@@ -6,8 +6,9 @@ number of steps and on the same data: with the stock ``Schedule1F1B`` (synchrono
 PipeDream-2BW loop (delay 1) plus Error Feedback (arXiv 2606.30634). Both evaluate every ``eval_every``
 steps; the wall-clock is rank 0's time inside ``train_step`` (evaluation excluded, the 2BW refill after each
 evaluation's drain included). The headline is the training time at which 2BW + EF first reaches 1F1B's
-final validation loss, over 1F1B's total training time; a bubble-free schedule that lost nothing to the delay would reach ``M / (M+P-1)``, and the goal is at
-most ``1.05 M / (M+P-1)``. The first crossing is only known to the resolution of the evaluations.
+final validation loss, over 1F1B's total training time; a bubble-free schedule that lost nothing to the
+delay would reach ``M / (M+P-1)``, and the goal is at most ``1.05 M / (M+P-1)``. The first crossing is only
+known to the resolution of the evaluations.
 
     bubblefree bench time-to-loss --out DIR    # bench_time_to_loss.json, time_to_loss.png, run folders
 """
