@@ -25,7 +25,7 @@ from pathlib import Path
 from bubblefree import __version__
 from bubblefree.errors import UserError
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "exit_code", "main"]
 
 BENCHMARKS = ("train", "optim", "delay", "pipeline", "time-to-loss")
 
@@ -184,20 +184,27 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return {"train": _train, "simulate": _simulate, "bench": _bench,
                 "reproduce": _reproduce}[args.command](args)
-    except UserError as e:
+    except (Exception, KeyboardInterrupt) as e:
+        return exit_code(e)
+
+
+def exit_code(e: BaseException) -> int:
+    """Report a failure the way every bubblefree entry point does and return its exit code: 2 invalid input
+    (one line), 3 a diverged run (one line naming the step and the last good checkpoint), 130 interrupted,
+    1 anything else (with its traceback: a bug)."""
+    if isinstance(e, UserError):
         print(f"bubblefree: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    if isinstance(e, KeyboardInterrupt):
         print("bubblefree: interrupted", file=sys.stderr)
         return 130
-    except Exception as e:
-        from bubblefree.train.loop import TrainingDiverged  # here: only a failure pays for importing torch
+    from bubblefree.train.loop import TrainingDiverged  # here: only a failure pays for importing torch
 
-        if isinstance(e, TrainingDiverged):
-            print(f"bubblefree: error: {e}", file=sys.stderr)
-            return 3
-        traceback.print_exc()
-        return 1
+    if isinstance(e, TrainingDiverged):
+        print(f"bubblefree: error: {e}", file=sys.stderr)
+        return 3
+    traceback.print_exception(e)
+    return 1
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 [--set K=V ...] --out DIR [--resume]``.
 
 One process per stage (and replica); every rank runs the training loop, global rank 0 writes the run folder.
-Invalid input is one line on stderr and exit code 2, as with ``bubblefree train``.
+Failures end the process with the exit codes of ``bubblefree train`` (``bubblefree.cli.exit_code``): 2 invalid
+input, 3 a diverged run, 1 a bug.
 """
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from bubblefree.cli import exit_code
 from bubblefree.distributed.launch import run_worker
-from bubblefree.errors import UserError
 from bubblefree.train.config import load_config
 
 __all__: list[str] = []
@@ -29,9 +30,8 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.preset, args.config, args.overrides)
         config.pipeline.runtime = "distributed"
         run_worker(config, out_dir=args.out, resume=args.resume)
-    except UserError as e:
-        print(f"bubblefree: error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
+    except (Exception, KeyboardInterrupt) as e:
+        return exit_code(e)
     return 0
 
 
