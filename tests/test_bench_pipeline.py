@@ -63,7 +63,9 @@ def test_first_reach_is_the_first_evaluation_at_or_below_the_target():
 
 
 def test_bench_pipeline_smoke_matches_the_simulator(tmp_path):
-    result = run(tmp_path, stages=(2,), multiples=(1,), t_forward=0.005, t_backward=0.01, steps=4, real=False)
+    # Sleeps long enough that a loaded machine's per-action overhead (a few ms of Python and transfers) stays a
+    # small part of each step: this checks the machinery, docs/throughput.md has the real measurement.
+    result = run(tmp_path, stages=(2,), multiples=(1,), t_forward=0.02, t_backward=0.04, steps=4, real=False)
     rows = {r["schedule"]: r for r in result["rows"]}
     assert set(rows) == {"gpipe", "1f1b", "2bw"}
     for r in rows.values():
