@@ -364,5 +364,5 @@ def test_every_optimizer_reduces_the_loss(name):
         opt.zero_grad()
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0], (name, losses)
