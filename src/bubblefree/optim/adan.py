@@ -27,7 +27,7 @@ import math
 import torch
 from torch import Tensor
 
-from bubblefree.optim.base import UpdateOptimizer, check_betas, check_nonneg, use_foreach
+from bubblefree.optim.base import UpdateOptimizer, check_betas, check_nonneg, group_by_step, use_foreach
 
 __all__ = ["Adan", "adan_updates"]
 
@@ -121,12 +121,8 @@ class Adan(UpdateOptimizer):
                     st[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 st["previous_grad"] = g.clone(memory_format=torch.preserve_format)  # first difference is 0
             st["step"] += 1
-        # Params of one group step together; one that missed steps (grad None) keeps its own count.
-        by_step: dict[float, list[int]] = {}
-        for i, p in enumerate(params):
-            by_step.setdefault(self.state[p]["step"].item(), []).append(i)
         updates: list[Tensor | None] = [None] * len(params)
-        for step, idx in by_step.items():
+        for step, idx in group_by_step(self.state, params).items():
             sub = [params[i] for i in idx]
             lists = {k: [self.state[p][k] for p in sub] for k in ("exp_avg", "exp_avg_diff", "exp_avg_sq",
                                                                    "previous_grad")}

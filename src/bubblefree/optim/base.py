@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["UpdateOptimizer", "apply_updates", "check_betas", "check_nonneg", "use_foreach"]
+__all__ = ["UpdateOptimizer", "apply_updates", "check_betas", "check_nonneg", "group_by_step", "use_foreach"]
 
 
 def check_nonneg(name: str, value: float) -> None:
@@ -57,6 +57,15 @@ def use_foreach(flag: bool | None, tensors: Sequence[Tensor]) -> bool:
     if flag is not None:
         return bool(flag)
     return not all(t.device.type == "cpu" for t in tensors)
+
+
+def group_by_step(state: dict, params: Sequence[Tensor]) -> dict[float, list[int]]:
+    """Indices of ``params`` keyed by their ``state[p]["step"]``: the params of a group step together, but one
+    that missed steps (its grad was None) keeps its own count, and bias corrections depend on it."""
+    by_step: dict[float, list[int]] = {}
+    for i, p in enumerate(params):
+        by_step.setdefault(state[p]["step"].item(), []).append(i)
+    return by_step
 
 
 @torch.no_grad()

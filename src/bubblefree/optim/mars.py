@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from bubblefree.optim.adamw import adamw_group_updates, check_adamw_hparams
-from bubblefree.optim.base import UpdateOptimizer, check_nonneg
+from bubblefree.optim.base import UpdateOptimizer, check_nonneg, group_by_step
 
 __all__ = ["MARS", "mars_updates"]
 
@@ -119,11 +119,8 @@ class MARS(UpdateOptimizer):
                 for key in ("exp_avg", "exp_avg_sq", "last_grad"):
                     st[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
             st["step"] += 1
-        by_step: dict[float, list[int]] = {}
-        for i, p in enumerate(params):
-            by_step.setdefault(self.state[p]["step"].item(), []).append(i)
         updates: list[Tensor | None] = [None] * len(params)
-        for step, idx in by_step.items():
+        for step, idx in group_by_step(self.state, params).items():
             sub = [params[i] for i in idx]
             lists = {k: [self.state[p][k] for p in sub] for k in ("exp_avg", "exp_avg_sq", "last_grad")}
             out = mars_updates(sub, [grads[i] for i in idx], lists, step=step, lr=group["lr"], betas=group["betas"],
