@@ -15,9 +15,9 @@ for all copies. The copies alternate step by step so load from other processes h
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -134,4 +134,8 @@ def run(out: Path | None = None, *, steps: dict[str, int] | None = None, threads
 
 
 if __name__ == "__main__":
-    run(Path(sys.argv[1]) if len(sys.argv) > 1 else None, threads=int(sys.argv[2]) if len(sys.argv) > 2 else None)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None, help="a .json file or a folder for bench_delay.json")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    args = parser.parse_args()
+    run(args.out, threads=args.threads)

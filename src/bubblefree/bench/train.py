@@ -21,10 +21,10 @@ the dense bf16 peak of an H100/H200 (989 TFLOPS).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -167,4 +167,6 @@ def run(out: Path | None = None, *, presets: tuple[str, ...] = ("llama-5m", "lla
 
 
 if __name__ == "__main__":
-    run(Path(sys.argv[1]) if len(sys.argv) > 1 else None)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None, help="a .json file or a folder for bench_train.json")
+    run(parser.parse_args().out)
