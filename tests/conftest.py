@@ -1,7 +1,21 @@
 """Shared test settings."""
 
+import os
+
 import pytest
 import torch
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> str:
+    """One data cache (tokenizers, token streams) for the whole session, never the user's ~/.cache."""
+    return os.environ.get("BUBBLEFREE_CACHE") or str(tmp_path_factory.getbasetemp() / "bubblefree-cache")
+
+
+@pytest.fixture
+def data_cache(cache_dir, monkeypatch):
+    """Point ``$BUBBLEFREE_CACHE`` (and so subprocesses' default cache) at the session cache."""
+    monkeypatch.setenv("BUBBLEFREE_CACHE", cache_dir)
 
 
 @pytest.fixture(autouse=True)

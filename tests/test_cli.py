@@ -25,14 +25,9 @@ TINY = ["--set", "train.steps=8", "--set", "train.seq_len=32", "--set", "train.b
         "--set", "train.eval_batches=2", "--set", "train.ckpt_every=0", "--set", "log.progress=false"]
 
 
-@pytest.fixture(scope="session")
-def cache_dir(tmp_path_factory) -> str:
-    return os.environ.get("BUBBLEFREE_CACHE") or str(tmp_path_factory.getbasetemp() / "bubblefree-cache")
-
-
 @pytest.fixture(autouse=True)
-def data_cache(cache_dir, monkeypatch):
-    monkeypatch.setenv("BUBBLEFREE_CACHE", cache_dir)
+def _session_cache(data_cache):
+    """Every test here (and its subprocesses) uses the session's data cache (conftest.py)."""
 
 
 @pytest.fixture(scope="module")

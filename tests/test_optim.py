@@ -17,7 +17,6 @@ from unittest import mock
 
 import pytest
 import torch
-import torch.optim._muon as torch_muon
 from torch import Tensor, nn
 
 import bubblefree.optim as bo

@@ -36,14 +36,9 @@ TINY = ["train.seq_len=32", "train.batch_size=4", "train.eval_batches=2", "train
         "train.log_every=1", "train.ckpt_every=3", "train.ckpt_keep=2", "log.progress=false"]
 
 
-@pytest.fixture(scope="session")
-def cache_dir(tmp_path_factory) -> str:
-    return os.environ.get("BUBBLEFREE_CACHE") or str(tmp_path_factory.getbasetemp() / "bubblefree-cache")
-
-
 @pytest.fixture(autouse=True)
-def data_cache(cache_dir, monkeypatch):
-    monkeypatch.setenv("BUBBLEFREE_CACHE", cache_dir)
+def _session_cache(data_cache):
+    """Every test here (and its subprocesses) uses the session's data cache (conftest.py)."""
 
 
 def _sets(overrides: list[str]) -> list[str]:

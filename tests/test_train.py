@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 import shutil
 
 import pytest
@@ -20,12 +19,6 @@ from bubblefree.train.loop import train
 from bubblefree.train.metrics import read_metrics
 from bubblefree.train.presets import smoke
 from bubblefree.train.sim import SimExecutor
-
-
-@pytest.fixture(scope="session")
-def cache_dir(tmp_path_factory) -> str:
-    """One data cache for the whole session (shared by name with test_cli.py)."""
-    return os.environ.get("BUBBLEFREE_CACHE") or str(tmp_path_factory.getbasetemp() / "bubblefree-cache")
 
 
 def tiny(cache_dir: str, **overrides) -> Config:

@@ -9,6 +9,7 @@ input, 3 a diverged run, 1 a bug.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from bubblefree.cli import exit_code
@@ -31,7 +32,12 @@ def main(argv: list[str] | None = None) -> int:
         config.pipeline.runtime = "distributed"
         run_worker(config, out_dir=args.out, resume=args.resume)
     except (Exception, KeyboardInterrupt) as e:
-        return exit_code(e)
+        code = exit_code(e)
+        # Leave at once: after a peer has gone, gloo's background threads can abort the interpreter while the
+        # process group is torn down (SIGABRT instead of this exit code); nothing is left to flush but stdio.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     return 0
 
 

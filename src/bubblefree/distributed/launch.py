@@ -151,11 +151,7 @@ def run_worker(config: Config, *, out_dir: str | Path, resume: bool | str | Path
             dist.destroy_process_group()
     except BaseException as exc:
         _write_error(out_dir, rank, exc)
-        if isinstance(exc, UserError) and dist.is_initialized():
-            # Invalid input is found at setup, when no transfer is in flight: leave the group cleanly, else
-            # gloo's threads can abort the interpreter at exit (SIGABRT instead of exit code 2).
-            dist.destroy_process_group()
-        raise
+        raise  # the entry point exits without tearing the process group down (see __main__.py)
 
 
 def _maybe_fault(rank: int, *, when: str | int) -> None:
