@@ -77,3 +77,36 @@ def test_bench_pipeline_smoke_matches_the_simulator(tmp_path):
     saved = json.loads((tmp_path / "bench_pipeline.json").read_text())
     assert [r["schedule"] for r in saved["rows"]] == ["gpipe", "1f1b", "2bw"]
     assert (tmp_path / "pipeline_P2.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "2bw"])
+def test_real_rows_are_predicted_from_their_own_measured_costs(tmp_path, schedule):
+    """A real run is predicted from the forward, backward and update times its traces measured. Traces written
+    from a simulated timeline must give back those costs and that step time exactly."""
+    from bubblefree.bench.pipeline import _analyse
+    from bubblefree.schedules.ir import build_schedule
+    from bubblefree.schedules.timeline import Costs, simulate
+    from bubblefree.train.config import load_config
+
+    P, M, T, costs = 2, 4, 6, Costs(0.007, 0.013, 0.0, update=0.047)
+    tl = simulate(build_schedule(schedule, P, M, steps=T), costs)
+    lines = {s: [] for s in range(P)}
+    for action, (start, end) in tl.spans.items():
+        step, unit = divmod(action.microbatch, M)
+        lines[action.stage].append({"rank": action.stage, "replica": 0, "stage": action.stage, "kind": action.kind,
+                                    "step": step, "unit": action.microbatch if schedule == "2bw" else unit,
+                                    "start": start, "end": end})
+    for (stage, step), end in tl.updates.items():
+        lines[stage].append({"rank": stage, "replica": 0, "stage": stage, "kind": "U", "step": step, "unit": -1,
+                             "start": end - costs.update, "end": end})
+    (tmp_path / "trace").mkdir()
+    for stage, records in lines.items():
+        (tmp_path / "trace" / f"rank{stage}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    config = load_config("smoke", None, [f"pipeline.stages={P}", f"pipeline.microbatches={M}",
+                                         f"pipeline.schedule={schedule}", f"train.steps={T}"])
+    row = _analyse({"config": config, "dir": str(tmp_path)}, T)
+    assert row["measured_costs"] == pytest.approx({"forward": 0.007, "backward": 0.013, "update": 0.047}, rel=1e-9)
+    per_mb = 0.007 + 0.013
+    assert row["step_s"] == pytest.approx((M + (P - 1) * (schedule != "2bw")) * per_mb + 0.047, rel=1e-9)
+    assert row["prediction_error"] < 1e-9
+    assert row["peak_activations"] == row["sim_peak_activations"] == [2, 1]

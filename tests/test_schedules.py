@@ -31,6 +31,21 @@ def test_flush_bubble_matches_closed_form(name, P, M, costs):
     assert tl.idle_fraction() == pytest.approx((P - 1) / (M + P - 1), abs=1e-12)
 
 
+@pytest.mark.parametrize("P,M", [(2, 4), (4, 8), (8, 16)])
+@pytest.mark.parametrize("costs", [Costs(1, 2, 0, update=0.5), Costs(0.5, 1.5, 0, update=3)])
+def test_update_cost_adds_to_every_step(P, M, costs):
+    """A stage's update keeps its rank busy after the step's last backward there: a flushing step takes
+    (M+P-1)(F+B) + U and a 2BW step M(F+B) + U, so no schedule hides the optimizer."""
+    per_mb, T = costs.forward + costs.backward, 6
+    for name, step in (("1f1b", (M + P - 1) * per_mb + costs.update), ("gpipe", (M + P - 1) * per_mb + costs.update),
+                       ("2bw", M * per_mb + costs.update)):
+        tl = simulate(build_schedule(name, P, M, steps=T), costs)
+        for s in range(P):
+            assert [tl.updates[(s, t + 1)] - tl.updates[(s, t)] for t in range(1, T - 1)] == \
+                pytest.approx([step] * (T - 2), abs=1e-9), (name, s)
+        assert max(tl.busy()) == pytest.approx(T * (M * per_mb + costs.update), abs=1e-9)
+
+
 @pytest.mark.parametrize("P,M,v", [(2, 4, 2), (4, 8, 2), (4, 8, 4)])
 def test_interleaved_bubble_matches_closed_form(P, M, v):
     tl = simulate(build_schedule("interleaved-1f1b", P, M, chunks=v), Costs(1, 2))
@@ -84,10 +99,11 @@ def test_bad_input():
         build_schedule("2bw", 4, 2)
     with pytest.raises(ValueError, match="multiple"):
         build_schedule("interleaved-1f1b", 4, 6)
-    for text in ("1:2", "a:b:c", "-1:1:1", "0:0:0"):
+    for text in ("1:2", "a:b:c", "-1:1:1", "0:0:0", "1:1:1:-1", "1:1:1:1:1"):
         with pytest.raises(ValueError, match="costs"):
             Costs.parse(text)
     assert Costs.parse("1:1:1") == Costs(1, 2, 1)
+    assert Costs.parse("1:1:1:0.5") == Costs(1, 2, 1, update=0.5)
 
 
 def test_report_writes_table_and_png(tmp_path, capsys):

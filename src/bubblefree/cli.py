@@ -2,7 +2,7 @@
 
     bubblefree train [--preset NAME] [--config FILE.toml] [--set KEY=VALUE ...] [--out DIR]
                      [--resume DIR | --resume DIR/checkpoints/step_NNNNNNNN.pt]
-    bubblefree simulate --stages P --microbatches M --schedules a,b,... [--costs F:B:W] [--steps T] [--out DIR]
+    bubblefree simulate --stages P --microbatches M --schedules a,b,... [--costs F:B:W[:U]] [--steps T] [--out DIR]
     bubblefree bench {train,optim,delay,pipeline,time-to-loss} [--out DIR]
     bubblefree reproduce SUITE [--scale smoke|cpu|gpu] [--out DIR] [--seeds N] [--optimizers A,B,...]
 
@@ -57,8 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--microbatches", type=int, required=True, metavar="M", help="per optimizer step")
     simulate.add_argument("--schedules", default="gpipe,1f1b,interleaved-1f1b,zero-bubble,2bw,pipedream",
                           metavar="A,B,...", help="comma-separated (default: all)")
-    simulate.add_argument("--costs", default="1:1:1", metavar="F:B:W",
-                          help="forward, input-gradient and weight-gradient times (default 1:1:1)")
+    simulate.add_argument("--costs", default="1:1:1", metavar="F:B:W[:U]",
+                          help="forward, input-gradient, weight-gradient and optional optimizer-update times "
+                               "(default 1:1:1)")
     simulate.add_argument("--steps", type=int, default=8, metavar="T", help="optimizer steps (default 8)")
     simulate.add_argument("--out", metavar="DIR", help="write timeline.png and simulate.json here")
 

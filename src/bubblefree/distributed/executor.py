@@ -227,10 +227,7 @@ class DistributedExecutor:
                 self._loss_sum[step] = torch.stack(losses).detach().double().sum() * self.m
             else:
                 schedule.step()
-        incoming = self._recv_stats()
-        with self.tracer.span("U", step=step):
-            norm = self.stage.finish(step, lr_scale, versioned=False)
-        self._step_stats(step, norm, incoming)
+        self._finish(step, lr_scale, versioned=False)
         self.p2p.flush()
 
     def _traced(self, fn, kind: str):
@@ -302,10 +299,16 @@ class DistributedExecutor:
         if not mesh.is_first:
             self.p2p.send(x.grad, self._rank(mesh.stage - 1))
         if (unit + 1) % U == 0:
-            incoming = self._recv_stats()
-            with self.tracer.span("U", step=step):
-                norm = self.stage.finish(step, lr_scale)
-            self._step_stats(step, norm, incoming)
+            self._finish(step, lr_scale)
+
+    def _finish(self, step: int, lr_scale: float, *, versioned: bool = True) -> None:
+        """End ``step`` on this stage. The statistics go on towards stage 0 before the update, not after: the
+        next stage's (which stage 0 waits for) are then already there, and no stage sits idle through another's
+        optimizer step (measured: stage 0 waited 34 ms of a 175 ms llama-5m step for stage 1's Muon update)."""
+        norm = self.stage.prepare_update(step, lr_scale, versioned=versioned)
+        self._step_stats(step, norm, self._recv_stats())
+        with self.tracer.span("U", step=step):
+            self.stage.update(step)
 
     def drain(self) -> None:
         """End the running asynchronous segment at the last completed step (nothing to do if none runs).

@@ -65,12 +65,14 @@ class StageRuntime:
         return functional_call(self.module, self._versions[step], (x,))
 
     @torch.no_grad()
-    def finish(self, step: int, lr_scale: float, *, versioned: bool = True) -> float:
-        """End step ``step`` at this stage: gradients to ``p.grad``, all-reduce over replicas, clip, update.
+    def prepare_update(self, step: int, lr_scale: float, *, versioned: bool = True) -> float:
+        """First half of ending step ``step`` here: gradients to ``p.grad``, all-reduce over replicas, clip, and
+        the step's learning rate.
 
         With ``versioned`` the gradients are those accumulated on the step's version (the asynchronous
         loop); otherwise they are already in ``p.grad`` (the stock schedules run on the live weights).
-        Returns the stage's gradient norm before clipping.
+        Returns the stage's gradient norm before clipping. Split from :meth:`update` so the step's statistics
+        can go on towards stage 0 before this stage spends its time on the optimizer.
         """
         assert self.updates_done == step, (step, self.updates_done)
         if versioned:
@@ -83,8 +85,12 @@ class StageRuntime:
             dist.all_reduce(flat, group=self.dp_group)  # each replica's loss is already scaled by 1/m
             for g, part in zip(grads, flat.split([g.numel() for g in grads])):
                 g.copy_(part.view_as(g))
-        norm = clip_stage_grads(self.params, self.grad_clip, n_stages=self.n_stages)
         set_lr_scale(self.delayed.optimizer, lr_scale)
+        return clip_stage_grads(self.params, self.grad_clip, n_stages=self.n_stages)
+
+    @torch.no_grad()
+    def update(self, step: int) -> None:
+        """Second half: apply update ``step`` with the clipped gradients in ``p.grad``."""
+        assert self.updates_done == step, (step, self.updates_done)
         self.delayed.step()
         self.delayed.zero_grad(set_to_none=True)
-        return norm

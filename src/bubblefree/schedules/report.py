@@ -34,7 +34,7 @@ def simulate_schedules(schedules: Sequence[str], *, stages: int, microbatches: i
         })
     header = f"{'schedule':<18}{'idle':>7}{'thru/ideal':>12}  {'delay/stage':<18}{'versions':<18}{'activations':<18}"
     print(f"P={stages} M={microbatches} steps={steps} costs F={costs.forward:g} B={costs.backward:g} "
-          f"(W={costs.weight:g}) comm={costs.comm:g}")
+          f"(W={costs.weight:g}) comm={costs.comm:g} update={costs.update:g}")
     print(header)
     for r in rows:
         print(f"{r['schedule']:<18}{r['idle_fraction']:>7.1%}{r['throughput_vs_ideal']:>12.3f}  "

@@ -4,7 +4,9 @@ Each rank runs its actions in order; an action starts when its rank is free and 
 stage s needs ``F`` of the same microbatch at stage s-1, ``B`` needs its own ``F`` and ``B`` at stage s+1,
 ``W`` needs its own ``B`` (plus ``comm`` time for every hop between ranks). Zero-bubble ``W`` actions are
 placed greedily into idle time (the ZB-H1 policy of Qi et al., ICLR 2024) and are all done before the step's
-update. Stage s applies update t once every backward of step t has finished there.
+update. Stage s applies update t once every backward of step t has finished there, which keeps its rank busy
+for ``update`` (zero by default: the idealised schedules of the papers; a measured optimizer step on real
+stages, where no schedule can hide it).
 
 From the timeline: the idle fraction ``1 - busy / (ranks * makespan)``; throughput relative to ideal
 ``max_r busy_r / makespan``; per stage the peak activations in flight, the weight versions that must be kept,
@@ -30,17 +32,23 @@ class Costs:
     weight: float = 1.0
     """The weight-gradient part of ``backward`` (used only by zero-bubble schedules)."""
     comm: float = 0.0
+    update: float = 0.0
+    """One optimizer update of a rank's stages (each of its ``chunks`` stages takes ``update / chunks``)."""
 
     @classmethod
     def parse(cls, text: str) -> Costs:
-        """``"F:B:W"`` as in ``--costs 1:1:1``: forward, input-gradient backward and weight-gradient backward times."""
+        """``"F:B:W"`` or ``"F:B:W:U"`` as in ``--costs 1:1:1``: forward, input-gradient backward, weight-gradient
+        backward and (optionally) optimizer-update times."""
         try:
-            f, b, w = (float(x) for x in text.split(":"))
+            f, b, w, *u = (float(x) for x in text.split(":"))
+            if len(u) > 1:
+                raise ValueError
         except ValueError:
-            raise ValueError(f"Invalid costs: {text!r} (expected F:B:W, e.g. 1:1:1)") from None
-        if min(f, b, w) < 0 or f + b + w <= 0:
-            raise ValueError(f"Invalid costs: {text!r} (must be non-negative and not all zero)")
-        return cls(forward=f, backward=b + w, weight=w)
+            raise ValueError(f"Invalid costs: {text!r} (expected F:B:W or F:B:W:U, e.g. 1:1:1)") from None
+        u = u[0] if u else 0.0
+        if min(f, b, w, u) < 0 or f + b + w <= 0:
+            raise ValueError(f"Invalid costs: {text!r} (must be non-negative and F + B + W above zero)")
+        return cls(forward=f, backward=b + w, weight=w, update=u)
 
 
 @dataclass
@@ -52,15 +60,19 @@ class Timeline:
     """``(stage, step) -> time`` at which the stage applied that step's update."""
     versions_used: dict[tuple[int, int], int] = field(default_factory=dict)
     """``(stage, microbatch) -> number of updates`` the microbatch's weights had seen."""
+    update_s: float = 0.0
+    """How long one stage's update keeps its rank busy (it ends at ``updates[(stage, step)]``)."""
 
     @property
     def makespan(self) -> float:
-        return max(end for _, end in self.spans.values())
+        return max(max(end for _, end in self.spans.values()), max(self.updates.values(), default=0.0))
 
     def busy(self) -> list[float]:
         busy = [0.0] * self.schedule.n_ranks
         for action, (start, end) in self.spans.items():
             busy[self.rank_of[action]] += end - start
+        for stage, _ in self.updates:
+            busy[self.schedule.rank_of(stage)] += self.update_s
         return busy
 
     def idle_fraction(self) -> float:
@@ -129,7 +141,7 @@ def simulate(schedule: Schedule, costs: Costs = Costs()) -> Timeline:
         "B": (costs.backward - (costs.weight if split else 0.0)) / chunks,
         "W": costs.weight / chunks,
     }
-    tl = Timeline(schedule)
+    tl = Timeline(schedule, update_s=costs.update / chunks)
     ptr, clock = [0] * R, [0.0] * R
     pending_w: list[deque[Action]] = [deque() for _ in range(R)]
     remaining = defaultdict(int)  # (stage, step) -> backward parts still to run before the update
@@ -167,7 +179,8 @@ def simulate(schedule: Schedule, costs: Costs = Costs()) -> Timeline:
         if a.kind in ("B", "W"):
             remaining[(a.stage, step)] -= 1
             if remaining[(a.stage, step)] == 0:
-                tl.updates[(a.stage, step)] = end
+                # The update runs on this rank right after the step's last backward part here.
+                clock[rank] = tl.updates[(a.stage, step)] = end + tl.update_s
                 updates_done[a.stage] += 1
         if a.kind == "B" and split:
             pending_w[rank].append(Action(a.stage, "W", a.microbatch))
