@@ -127,6 +127,20 @@ def test_one_f_one_b_order_runs_every_unit_once_in_order():
         assert actions.index(("B", 6)) == 4 - stage
 
 
+@pytest.mark.parametrize("P", [1, 2, 3, 4, 8])
+def test_forwards_done_is_the_closed_form_of_the_order(P):
+    """What drains and receives posted ahead rely on: forwards a stage has run when a backward ends."""
+    from bubblefree.distributed.executor import forwards_done
+
+    for stage in range(P):
+        for segment in [(0, 1), (3, 5), (6, 14), (10, 10 + 3 * P)]:
+            order = one_f_one_b_order(stage, P, range(*segment))
+            for i, action in enumerate(order):
+                if action.kind == "B":
+                    ran = sum(a.kind == "F" for a in order[: i + 1])
+                    assert forwards_done(stage, P, segment, action.microbatch) == ran, (stage, segment, action)
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "bubblefree.cli", "train", *args], capture_output=True, text=True,
                           timeout=300, check=False)

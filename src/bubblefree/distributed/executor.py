@@ -35,7 +35,7 @@ from bubblefree.distributed.stage import StageRuntime
 from bubblefree.distributed.trace import Tracer
 from bubblefree.errors import UserError
 from bubblefree.models.moe import MoE
-from bubblefree.schedules.ir import Action, one_f_one_b_order
+from bubblefree.schedules.ir import one_f_one_b_order
 from bubblefree.train.config import Config
 from bubblefree.train.executor import StepStats
 from bubblefree.train.sim import autocast_for, resolve_device
@@ -48,14 +48,13 @@ DEFAULT_TIMEOUT_S = 300.0
 _N_STATS = 3  # loss, squared gradient norm, MoE balancing loss
 
 
-def _forwards_until(order: list[Action], last_backward: int) -> int:
-    """Forwards ``order`` has run when it finishes the backward of unit ``last_backward``."""
-    count = 0
-    for action in order:
-        count += action.kind == "F"
-        if action.kind == "B" and action.microbatch == last_backward:
-            return count
-    raise AssertionError("unit outside the segment")
+def forwards_done(stage: int, n_stages: int, segment: tuple[int, int], last_backward: int) -> int:
+    """Forwards ``one_f_one_b_order(stage, n_stages, range(*segment))`` has run when it finishes the backward of
+    unit ``last_backward``: its ``P-1-s`` warm-up forwards plus one per backward so far, at most the segment's
+    length (the closed form of that order; a test enumerates the order to check it)."""
+    first, end = segment
+    assert first <= last_backward < end, "unit outside the segment"
+    return min(last_backward - first + n_stages - stage, end - first)
 
 
 def _to_cpu(tree: Any) -> Any:
@@ -131,6 +130,7 @@ class DistributedExecutor:
         self._segment: tuple[int, int] | None = None  # units [first, end) of the running asynchronous segment
         self._actions: Any = None  # iterator over the segment's order
         self._saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # unit -> (input, output or loss)
+        self._posted: tuple[int, Any] | None = None  # (unit, wait) of the activation receive posted ahead
         self._loss_sum: dict[int, torch.Tensor] = {}  # step -> sum of its microbatch losses (last stage)
         self._aux_sum: dict[int, torch.Tensor] = {}  # step -> sum of this stage's balancing losses
         self._stats: dict[int, StepStats] = {}
@@ -257,7 +257,7 @@ class DistributedExecutor:
         last_unit = (step + 1) * U - 1
         for action in self._actions:
             if action.kind == "F":
-                self._forward(action.microbatch)
+                self._forward(action.microbatch, last_unit)
             else:
                 self._backward(action.microbatch, lr_scale)
                 if action.microbatch == last_unit:
@@ -265,14 +265,14 @@ class DistributedExecutor:
         if (step + 1) * U == self._segment[1]:
             self._close_segment()
 
-    def _forward(self, unit: int) -> None:
+    def _forward(self, unit: int, last_unit: int) -> None:
         mesh, U = self.mesh, self.units_per_step
         step, i = divmod(unit, U)
         if i == 0:
             self.stage.enter(step)
         x, y = self._unit_batch(step, i) if (mesh.is_first or mesh.is_last) else (None, None)
         if not mesh.is_first:
-            x = self.p2p.recv_activation(self._rank(mesh.stage - 1)).requires_grad_()
+            x = self._receive_activation(unit, last_unit).requires_grad_()
         chunks = self.local_m // U  # microbatches in the unit, computed one by one as the simulation does
         with self.tracer.span("F", step=step, unit=unit), self._autocast():
             outs = []
@@ -288,6 +288,27 @@ class DistributedExecutor:
         if not mesh.is_last:
             self.p2p.send_activation(out, self._rank(mesh.stage + 1))
         self._saved[unit] = (x, out)
+
+    def _receive_activation(self, unit: int, last_unit: int) -> torch.Tensor:
+        """The previous stage's output for ``unit``, and the receive of the next unit's posted at once.
+
+        A gloo (or NCCL) transfer moves when the receiver asks for it, and then needs the sender's transport
+        thread, which on a busy CPU shares a core with the sender's compute: asked for late, an activation
+        sent long before arrived 5-10 ms late (llama-5m, P = 2). Posted ahead, it moves as soon as it is sent.
+        Only a unit the previous stage sends before this ``train_step`` can end is posted (it finishes the
+        step's ``last_unit`` with ``forwards_done`` forwards run), so a drain never leaves a receive waiting.
+        """
+        prev = self._rank(self.mesh.stage - 1)
+        if self._posted is not None:
+            posted, wait = self._posted
+            assert posted == unit, (posted, unit)
+            x, self._posted = wait(), None
+        else:
+            x = self.p2p.recv_activation(prev)
+        first = self._segment[0]
+        if unit + 1 < first + forwards_done(self.mesh.stage - 1, self.P, self._segment, last_unit):
+            self._posted = (unit + 1, self.p2p.post_activation(x, prev))  # a segment's units share one shape
+        return x
 
     def _backward(self, unit: int, lr_scale: float) -> None:
         mesh, U = self.mesh, self.units_per_step
@@ -322,9 +343,11 @@ class DistributedExecutor:
         first, end = self._segment
         done = self.stage.updates_done * self.units_per_step  # units whose steps have been applied
         if done < end and not self.mesh.is_first:
-            units = range(first, end)
-            sent = _forwards_until(one_f_one_b_order(self.mesh.stage - 1, self.P, units), done - 1)
-            taken = _forwards_until(one_f_one_b_order(self.mesh.stage, self.P, units), done - 1)
+            sent = forwards_done(self.mesh.stage - 1, self.P, self._segment, done - 1)
+            taken = forwards_done(self.mesh.stage, self.P, self._segment, done - 1)
+            if self._posted is not None:  # the first of them, already asked for
+                self._posted[1]()
+                self._posted, taken = None, taken + 1
             for _ in range(sent - taken):
                 self.p2p.recv_activation(self._rank(self.mesh.stage - 1))
         for step in self.stage.entered():
@@ -335,6 +358,7 @@ class DistributedExecutor:
         self._close_segment()
 
     def _close_segment(self) -> None:
+        assert self._posted is None, "a receive was posted past the segment"
         self._segment, self._actions = None, None
         self.p2p.flush()
         self.tracer.flush()

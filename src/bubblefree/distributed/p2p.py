@@ -10,6 +10,7 @@ so the error that reaches the launcher says which rank vanished.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -74,13 +75,34 @@ class P2P:
         self._wait(dist.irecv(buf, peer), peer, "recv")
         return buf
 
-    def send_activation(self, tensor: Tensor, peer: int) -> None:
+    @staticmethod
+    def _header(tensor: Tensor) -> Tensor:
         assert tensor.dim() <= _MAX_DIMS
         header = torch.zeros(_MAX_DIMS + 2, dtype=torch.int64)
         header[0], header[1] = tensor.dim(), _DTYPES.index(tensor.dtype)
         header[2:2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
-        self.send(header.to(self.device), peer)
+        return header
+
+    def send_activation(self, tensor: Tensor, peer: int) -> None:
+        self.send(self._header(tensor).to(self.device), peer)
         self.send(tensor, peer)
+
+    def post_activation(self, like: Tensor, peer: int) -> Callable[[], Tensor]:
+        """Post the receives of ``peer``'s next activation, which must have ``like``'s shape and dtype, and
+        return the function that waits for it (its header is checked against ``like``'s)."""
+        header = torch.empty(_MAX_DIMS + 2, dtype=torch.int64, device=self.device)
+        payload = torch.empty(like.shape, dtype=like.dtype, device=self.device)
+        works = (dist.irecv(header, peer), dist.irecv(payload, peer))  # matched in order, like the sends
+
+        def wait() -> Tensor:
+            for work in works:
+                self._wait(work, peer, "recv")
+            if not torch.equal(header.cpu(), self._header(like)):
+                raise RuntimeError(f"rank {peer} sent an activation of header {header.tolist()}, "
+                                   f"expected {self._header(like).tolist()}")
+            return payload
+
+        return wait
 
     def recv_activation(self, peer: int) -> Tensor:
         header = self.recv((_MAX_DIMS + 2,), torch.int64, peer).tolist()
