@@ -100,7 +100,7 @@ def _read_runs(out):
 def test_smoke_suite_end_to_end_and_skip_on_rerun(tmp_path, monkeypatch):
     out = tmp_path / "results"
     argv = ["reproduce", "optimizers", "--scale", "smoke", "--out", str(out), "--optimizers", "adamw"]
-    assert main(argv) == 0
+    assert main([*argv, "--jobs", "2"]) == 0
 
     runs = _read_runs(out)
     # a 2-point sync sweep (one of which is sync seed 0), sync seed 1, async seed 0
@@ -129,7 +129,8 @@ def test_smoke_suite_end_to_end_and_skip_on_rerun(tmp_path, monkeypatch):
     assert "| 2.612 | 2.890 | 0.278 |" in table  # the paper's AdamW row beside ours
     assert (out / "optimizers-curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
-    # An interrupted re-run: one JSON lost and a partial training folder left; only that run is redone.
+    # An interrupted re-run: one JSON lost and a partial training folder left; only that run is redone, in
+    # this process (the first pass ran two at a time in worker processes: the results must not depend on it).
     lost = min(runs)
     (out / "runs" / f"{lost}.json").unlink()
     (out / "work" / lost / "run" / "metrics.jsonl").write_text("torn")
@@ -151,6 +152,7 @@ def test_cli_rejects_bad_input(tmp_path, capsys):
     assert main(["reproduce", "momentum", "--scale", "smoke", "--out", str(tmp_path),
                  "--optimizers", "soap"]) == 2
     assert main(["reproduce", "momentum", "--scale", "smoke", "--seeds", "0", "--out", str(tmp_path)]) == 2
+    assert main(["reproduce", "momentum", "--scale", "smoke", "--jobs", "0", "--out", str(tmp_path)]) == 2
     if not torch.cuda.is_available():
         assert main(["reproduce", "moe", "--scale", "gpu", "--out", str(tmp_path)]) == 2
         assert "needs a CUDA device" in capsys.readouterr().err

@@ -74,11 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
     reproduce.add_argument("suite", metavar="SUITE", help="optimizers, error-feedback, momentum, mitigations, "
                                                           "schedules, sensitivity or moe")
     reproduce.add_argument("--scale", choices=("smoke", "cpu", "gpu"), default="cpu",
-                           help="smoke: minutes; cpu (default): 30-50 min for optimizers on 2 idle cores; "
+                           help="smoke: minutes; cpu (default): about 30 min for optimizers on 2 idle cores; "
                                 "gpu: 135M runs")
     reproduce.add_argument("--out", metavar="DIR", help="results folder (default results/<scale>)")
     reproduce.add_argument("--seeds", type=int, metavar="N", help="seeds per configuration (default: the scale's)")
     reproduce.add_argument("--optimizers", metavar="A,B,...", help="only these of the suite's optimizers")
+    reproduce.add_argument("--jobs", type=int, metavar="N",
+                           help="runs at once, one process each (default: one per core; 1 at --scale gpu)")
     return parser
 
 
@@ -167,12 +169,15 @@ def _reproduce(args: argparse.Namespace) -> int:
 
     if args.seeds is not None and args.seeds < 1:
         raise UserError(f"Invalid --seeds: {args.seeds} (must be >= 1)")
+    if args.jobs is not None and args.jobs < 1:
+        raise UserError(f"Invalid --jobs: {args.jobs} (must be >= 1)")
     optimizers = tuple(o for o in args.optimizers.split(",") if o) if args.optimizers else None
     command = " ".join(["bubblefree reproduce", args.suite, "--scale", args.scale]
                        + [f"--{k} {v}" for k, v in (("out", args.out), ("seeds", args.seeds),
-                                                   ("optimizers", args.optimizers)) if v is not None])
+                                                   ("optimizers", args.optimizers), ("jobs", args.jobs))
+                          if v is not None])
     result = reproduce(args.suite, scale=args.scale, out=args.out, seeds=args.seeds, optimizers=optimizers,
-                       command=command)
+                       command=command, jobs=args.jobs)
     print(f"bubblefree: {args.suite}: table {result['table']}; plots "
           f"{', '.join(str(p) for p in result['plots']) or 'none'}; chosen learning rates "
           f"{', '.join(f'{o} {lr:g}' for o, lr in result['lrs'].items())}")

@@ -10,6 +10,7 @@ and suites sharing runs (``optimizers`` and ``error-feedback``) share their resu
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from bubblefree.experiments.scales import get_scale
 from bubblefree.experiments.suites import choose_lrs, get_suite, sweep_runs, sweep_table
 from bubblefree.optim import OPTIMIZERS
 
-__all__ = ["reproduce"]
+__all__ = ["default_jobs", "reproduce"]
 
 _DEFINITIONS = (
     "Final validation loss (nats/token), mean ± sample std over seeds. *gap* = mean(async) - mean(sync); "
@@ -32,16 +33,25 @@ _DEFINITIONS = (
     "sources (DESIGN.md section 2), 360M models on FineWeb-Edu, so compare signs and orderings, not values.")
 
 
+def default_jobs(scale: str) -> int:
+    """Runs at once: one per core at the CPU scales (each run uses one thread), one at ``gpu`` (one device)."""
+    return 1 if scale == "gpu" else max(1, os.cpu_count() or 1)
+
+
 def reproduce(suite: str, *, scale: str = "cpu", out: str | Path | None = None, seeds: int | None = None,
               optimizers: tuple[str, ...] | None = None, progress: bool = True,
-              command: str = "") -> dict[str, Any]:
+              command: str = "", jobs: int | None = None) -> dict[str, Any]:
     """Run ``suite`` at ``scale`` into ``out`` (default ``results/<scale>``); return paths and the chosen rates.
 
     ``seeds`` replaces the scale's seed count; ``optimizers`` restricts the suite to a subset of its own;
-    ``command`` is recorded in the table (the CLI passes its command line).
+    ``command`` is recorded in the table (the CLI passes its command line); ``jobs`` runs that many runs at
+    once (default :func:`default_jobs`).
     Raises UserError (a ValueError) for an unknown suite, scale or optimizer, or ``gpu`` without a GPU.
     """
+    if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
+        raise UserError(f"Invalid jobs: {jobs!r} (must be an integer >= 1)")
     spec, sc = get_suite(suite), get_scale(scale, seeds=seeds)
+    jobs = jobs or default_jobs(sc.name)
     commit()  # record the commit of the code this process imported, before the tree can move on
     chosen = spec.optimizers if optimizers is None else tuple(optimizers)
     unknown = [o for o in chosen if o not in spec.optimizers]
@@ -61,12 +71,12 @@ def reproduce(suite: str, *, scale: str = "cpu", out: str | Path | None = None, 
     tic = time.perf_counter()
     with tqdm(total=len(todo) + len(estimate), unit="run", desc=f"{suite} ({sc.name})", dynamic_ncols=True,
               disable=not progress) as bar:
-        sweep_rows = run_all(sweep, out, bar=bar)
+        sweep_rows = run_all(sweep, out, bar=bar, jobs=jobs)
         lrs = {o: choose_lrs(sweep_rows)[o] for o in chosen}
         runs = spec.runs(sc, lrs)
         bar.total = bar.n + len(pending(runs, out))
         bar.refresh()
-        rows = run_all(runs, out, bar=bar)
+        rows = run_all(runs, out, bar=bar, jobs=jobs)
     elapsed = time.perf_counter() - tic
 
     title = f"{spec.title}, scale {sc.name}"

@@ -138,31 +138,52 @@ def pending(runs: Sequence[Run], out: str | Path) -> set[str]:
     return {rid for rid in map(run_id, runs) if not (Path(out) / "runs" / f"{rid}.json").exists()}
 
 
-def run_all(runs: Sequence[Run], out: str | Path, *, bar: Any = None) -> list[dict[str, Any]]:
+def run_all(runs: Sequence[Run], out: str | Path, *, bar: Any = None, jobs: int = 1) -> list[dict[str, Any]]:
     """Make sure every run has its JSON in ``<out>/runs``; return one row per run: its record plus its tags
     (``optimizer``, ``variant``, ``x``, ``seed`` and ``run.tags``), which is what the tables group by.
 
     Finished runs (their JSON exists) are read, not re-run; ``bar`` (a tqdm bar, optional) advances once per
     run executed, so its rate and time left count only real work (``pending`` gives its total). Runs listed
-    twice (same id) run once.
+    twice (same id) run once. ``jobs > 1`` runs that many at once, each in its own process: a run is a pure
+    function of its config (seeded, one thread at the CPU scales), so the results are the serial ones.
     """
     out = Path(out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
     unique = {run_id(run): run for run in runs}
-    provenance: dict[str, str] | None = None
-    results = {}
+    results, todo = {}, {}
     for rid, run in unique.items():
         path = out / "runs" / f"{rid}.json"
         if path.exists():
             results[rid] = json.loads(path.read_text())
-            continue
-        if provenance is None:
-            provenance = {"commit": commit(), "machine": machine()}
-        if bar is not None:
-            bar.set_postfix_str(rid, refresh=True)
-        results[rid] = _execute(run, out / "work" / rid, provenance=provenance)
-        _write_json_atomic(path, results[rid])
+        else:
+            todo[rid] = run
+    provenance = {"commit": commit(), "machine": machine()} if todo else {}
+
+    def finished(rid: str, record: dict[str, Any]) -> None:
+        _write_json_atomic(out / "runs" / f"{rid}.json", record)
+        results[rid] = record
         if bar is not None:
             bar.update(1)
+
+    if jobs <= 1 or len(todo) <= 1:
+        for rid, run in todo.items():
+            if bar is not None:
+                bar.set_postfix_str(rid, refresh=True)
+            finished(rid, _execute(run, out / "work" / rid, provenance=provenance))
+    else:
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+        from multiprocessing import get_context
+
+        with ProcessPoolExecutor(max_workers=min(jobs, len(todo)), mp_context=get_context("spawn")) as pool:
+            futures = {pool.submit(_execute, run, out / "work" / rid, provenance=provenance): rid
+                       for rid, run in todo.items()}
+            if bar is not None:
+                bar.set_postfix_str(f"{min(jobs, len(todo))} at a time", refresh=True)
+            try:
+                for future in as_completed(futures):
+                    finished(futures[future], future.result())
+            except BaseException:  # a failed run or Ctrl-C: finished runs are saved, the rest start over later
+                pool.shutdown(wait=False, cancel_futures=True)
+                raise
     return [{**results[run_id(run)], "optimizer": run.optimizer, "variant": run.variant, "x": run.x,
              "seed": run.seed, **run.tags} for run in runs]
