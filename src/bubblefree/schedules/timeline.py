@@ -57,7 +57,7 @@ class Timeline:
     spans: dict[Action, tuple[float, float]] = field(default_factory=dict)
     rank_of: dict[Action, int] = field(default_factory=dict)
     updates: dict[tuple[int, int], float] = field(default_factory=dict)
-    """``(stage, step) -> time`` at which the stage applied that step's update."""
+    """``(stage, step) -> time`` at which the stage finished applying that step's update."""
     versions_used: dict[tuple[int, int], int] = field(default_factory=dict)
     """``(stage, microbatch) -> number of updates`` the microbatch's weights had seen."""
     update_s: float = 0.0
