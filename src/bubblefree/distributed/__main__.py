@@ -9,11 +9,10 @@ input, 3 a diverged run, 1 a bug.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from bubblefree.cli import exit_code
-from bubblefree.distributed.launch import run_worker
+from bubblefree.distributed.launch import exit_at_once, run_worker
 from bubblefree.train.config import load_config
 
 __all__: list[str] = []
@@ -32,12 +31,7 @@ def main(argv: list[str] | None = None) -> int:
         config.pipeline.runtime = "distributed"
         run_worker(config, out_dir=args.out, resume=args.resume)
     except (Exception, KeyboardInterrupt) as e:
-        code = exit_code(e)
-        # Leave at once: after a peer has gone, gloo's background threads can abort the interpreter while the
-        # process group is torn down (SIGABRT instead of this exit code); nothing is left to flush but stdio.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        exit_at_once(exit_code(e))
     return 0
 
 

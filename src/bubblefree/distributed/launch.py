@@ -40,7 +40,7 @@ from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
 from bubblefree.errors import UserError
 from bubblefree.train.config import Config
 
-__all__ = ["PipelineFailure", "launch_local", "run_worker"]
+__all__ = ["PipelineFailure", "exit_at_once", "launch_local", "run_worker"]
 
 ERRORS_DIR = "errors"
 STALE_MARGIN_S = 30.0
@@ -151,7 +151,18 @@ def run_worker(config: Config, *, out_dir: str | Path, resume: bool | str | Path
             dist.destroy_process_group()
     except BaseException as exc:
         _write_error(out_dir, rank, exc)
-        raise  # the entry point exits without tearing the process group down (see __main__.py)
+        raise  # the entry point leaves with exit_at_once, without tearing the process group down
+
+
+def exit_at_once(code: int) -> None:
+    """End a failed rank's process now, with ``code``, skipping the interpreter's teardown.
+
+    After a failure gloo's background threads are still running; a normal exit destroys them while they are
+    joinable and C++ aborts the process ("terminate called without an active exception" on stderr, SIGABRT
+    instead of ``code``). The rank's error record is already written; nothing is left to flush but stdio."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _maybe_fault(rank: int, *, when: str | int) -> None:
@@ -171,7 +182,10 @@ def _spawned(index: int, config: Config, out_dir: str, nprocs: int, port: int, r
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(index), LOCAL_RANK=str(index),
                       WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs))
     torch.set_num_threads(threads)
-    run_worker(config, out_dir=out_dir, resume=resume)
+    try:
+        run_worker(config, out_dir=out_dir, resume=resume)
+    except BaseException:  # recorded by run_worker; launch_local reads the record, not this exit code
+        exit_at_once(1)
 
 
 def launch_local(config: Config, out_dir: str | Path, nprocs: int | None = None, *,
