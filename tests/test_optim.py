@@ -335,6 +335,22 @@ def test_build_optimizer_routes_and_maps_momentum():
     assert build_optimizer(model, OptimConfig(name="adamw", lr=1e-3)).param_groups[0]["lr"] == 1e-3
 
 
+def test_max_precond_dim_reaches_soap_and_leaves_the_vocabulary_unpreconditioned():
+    model = TinyLM(vocab=64, dim=16)
+    opt = build_optimizer(model, OptimConfig(name="soap", max_precond_dim=32))
+    assert opt.param_groups[0]["max_precond_dim"] == 32
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
+    opt.step()
+    grams = {n: [None if g is None else tuple(g.shape) for g in opt.state[p]["GG"]]
+             for n, p in model.named_parameters()}
+    assert grams["embed.weight"] == [None, (16, 16)] and grams["lm_head.weight"] == [None, (16, 16)]
+    assert grams["layers.0.1.weight"] == [(32, 32), (16, 16)]
+    # 0 keeps SOAP's own default; the other optimizers have no such knob and ignore it.
+    assert build_optimizer(model, OptimConfig(name="soap")).param_groups[0]["max_precond_dim"] == 10000
+    assert "max_precond_dim" not in build_optimizer(model, OptimConfig(name="adamw", max_precond_dim=32)).defaults
+
+
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_registry_defaults_are_the_class_defaults(name):
     spec = OPTIMIZERS[name]

@@ -17,6 +17,7 @@ from bubblefree.experiments.runner import Run
 from bubblefree.experiments.suites import choose_lrs, sweep_runs
 from bubblefree.experiments.tables import gap_recovered, noise_floor
 from bubblefree.models import PRESETS as MODEL_PRESETS
+from bubblefree.models import build_model
 from bubblefree.schedules.delays import n_partitions
 from bubblefree.train.config import apply_overrides, validate
 
@@ -91,6 +92,18 @@ def test_every_suite_builds_valid_comparable_runs(suite, scale):
         if suite == "sensitivity":  # batch changes keep the token budget
             tokens = {r.config.train.steps * r.config.train.batch_size for r in mine}
             assert len(tokens) == 1
+
+
+@pytest.mark.parametrize("scale", ["cpu", "gpu"])
+def test_soap_preconditions_every_dimension_but_the_vocabulary(scale):
+    # The paper's regime (49152 vocabulary > SOAP's 10000 >= every hidden dimension), at our vocabularies.
+    sc = get_scale(scale)
+    limit, vocab = sc.base.optim.max_precond_dim, sc.base.data.vocab_size
+    for preset in {sc.base.model.preset, sc.deep_model, sc.moe_model}:
+        with torch.device("meta"):
+            model = build_model(preset, vocab_size=vocab)
+        dims = {n for p in model.parameters() if p.ndim > 1 for n in p.shape}
+        assert vocab in dims and max(dims - {vocab}) <= limit < vocab, (preset, sorted(dims))
 
 
 def _read_runs(out):

@@ -8,11 +8,15 @@ another one (a 32-layer narrow ``deep-*`` model for the depth-16 schedules, an M
   two-point sweep. A run takes 1-2 s on one core, so every suite finishes in a few minutes.
 - ``cpu``: DESIGN.md section 7's prototype (llama-5m at vocabulary 4096, sequence 128, batch 16), which
   took 1.5-2 minutes per 300 steps on 2 idle cores; 200 steps, 2 seeds, a three-point sweep: the
-  ``optimizers`` suite is 36 runs: 88-92 s each on one core (two at a time on 2 cores), SOAP's 8-15 min
-  (docs/results.md). One thread per run: on a shared machine a second thread waiting for a busy
-  core made steps many times slower (measured: 20 steps in 20 s on one thread, under 30 in 5 min on two).
+  ``optimizers`` suite is 36 runs: 88-92 s each on one core (two at a time on 2 cores, docs/results.md).
+  One thread per run: on a shared machine a second thread waiting for a busy core made steps many times
+  slower (measured: 20 steps in 20 s on one thread, under 30 in 5 min on two).
 - ``gpu``: SmolLM2-135M's shapes (arXiv 2606.30634 trains 135M/360M) on the embedded corpus with an 8192 BPE
   vocabulary, sequence 512, batch 32, 2000 steps (33M tokens), 3 seeds.
+- SOAP preconditions every dimension up to ``optim.max_precond_dim``, below the vocabulary and above every
+  hidden dimension at both real scales (2048 at cpu, 4096 at gpu): the paper's regime, where the 49152
+  vocabulary exceeds SOAP's default 10000 and the widest hidden dimension (2560) does not. At cpu scale with
+  the default, the 4096-wide embedding and head were preconditioned too and a run took 8-15 min, not ~2.
 """
 
 from __future__ import annotations
@@ -63,7 +67,7 @@ def _smoke() -> Scale:
 def _cpu() -> Scale:
     base = apply_overrides(get_preset("sync-baseline"), {
         **_QUIET, "train.steps": 200, "train.eval_every": 50, "train.eval_batches": 8, "train.log_every": 10,
-        "train.threads": 1,
+        "train.threads": 1, "optim.max_precond_dim": 2048,
     })
     return Scale(name="cpu", base=base, seeds=2, lr_factors=(0.5, 1.0, 2.0), deep_model="deep-3m",
                  moe_model="moe-6m")
@@ -73,7 +77,7 @@ def _gpu() -> Scale:
     base = apply_overrides(get_preset("sync-baseline"), {
         **_QUIET, "model.preset": "smollm2-135m", "data.vocab_size": 8192, "train.steps": 2000,
         "train.batch_size": 32, "train.seq_len": 512, "train.eval_every": 200, "train.eval_batches": 16,
-        "train.log_every": 20, "train.device": "cuda",
+        "train.log_every": 20, "train.device": "cuda", "optim.max_precond_dim": 4096,
     })
     return Scale(name="gpu", base=base, seeds=3, lr_factors=(0.5, 1.0, 2.0), deep_model="deep-30m",
                  moe_model="moe-20m")

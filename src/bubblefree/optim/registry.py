@@ -120,7 +120,8 @@ def build_optimizer(model: nn.Module, cfg) -> UpdateOptimizer:
     """The optimizer ``cfg.name`` over ``model``'s parameters, with ``cfg``'s lr, momentum and weight decay.
 
     ``cfg`` is a :class:`bubblefree.train.config.OptimConfig`: ``lr <= 0`` and ``adamw_lr <= 0`` take the
-    registry default, a negative ``momentum`` the optimizer's default. Unknown names raise ValueError.
+    registry default, a negative ``momentum`` the optimizer's default, ``max_precond_dim = 0`` SOAP's.
+    Unknown names raise ValueError.
     """
     spec = OPTIMIZERS.get(cfg.name)
     if spec is None:
@@ -134,5 +135,7 @@ def build_optimizer(model: nn.Module, cfg) -> UpdateOptimizer:
     adamw_lr = cfg.adamw_lr if cfg.adamw_lr > 0 else spec.adamw_lr
     if spec.route_key is not None:
         kwargs.update(adamw_lr=adamw_lr, adamw_weight_decay=cfg.weight_decay)
+    if spec.cls is SOAP and cfg.max_precond_dim > 0:
+        kwargs.update(max_precond_dim=cfg.max_precond_dim)
     groups = param_groups(model, spec.route_key, adamw_lr=adamw_lr)
     return spec.cls(groups, **kwargs)

@@ -89,6 +89,11 @@ class OptimConfig:
     adamw_lr: float = 0.0
     """Learning rate of the AdamW part of Muon and MARS (embeddings, head, norms); 0 takes the default."""
 
+    max_precond_dim: int = 0
+    """SOAP only: dimensions longer than this keep the identity basis (Adam along them); 0 takes SOAP's
+    10000. The paper's 49152 vocabulary is never preconditioned; a small vocabulary needs a smaller value for
+    the same regime."""
+
 
 @dataclass(kw_only=True)
 class TrainConfig:
@@ -224,7 +229,8 @@ def _registries() -> dict[str, tuple[str, ...]]:
 # Keys that must be > 0 and keys that must be >= 0 (numbers); fractions must lie in [0, 1].
 _POSITIVE = ("data.vocab_size", "train.steps", "train.batch_size", "train.seq_len", "train.eval_batches",
              "train.log_every", "train.ckpt_keep", "pipeline.stages", "pipeline.microbatches")
-_NONNEGATIVE = ("model.vocab_size", "optim.lr", "optim.weight_decay", "optim.adamw_lr", "train.seed",
+_NONNEGATIVE = ("model.vocab_size", "optim.lr", "optim.weight_decay", "optim.adamw_lr", "optim.max_precond_dim",
+                "train.seed",
                 "train.grad_clip", "train.threads", "train.eval_every", "train.ckpt_every", "delay.ef_beta",
                 "delay.taylor_lambda", "delay.sync_start_steps", "delay.sync_cooldown_steps")
 _FRACTIONS = ("train.warmup_frac", "train.min_lr_frac")
