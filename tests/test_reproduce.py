@@ -6,20 +6,22 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from dataclasses import replace
 
 import pytest
 import torch
 
 from bubblefree.cli import main
-from bubblefree.experiments import SUITES, get_scale, run_id
+from bubblefree.experiments import SCALES, SUITES, get_scale, reproduce, run_id
 from bubblefree.experiments import runner as runner_module
 from bubblefree.experiments.runner import Run
-from bubblefree.experiments.suites import choose_lrs, sweep_runs
+from bubblefree.experiments.suites import choose_lrs, sweep_extension, sweep_runs, sweep_table
 from bubblefree.experiments.tables import gap_recovered, noise_floor
 from bubblefree.models import PRESETS as MODEL_PRESETS
 from bubblefree.models import build_model
+from bubblefree.optim import OPTIMIZERS
 from bubblefree.schedules.delays import n_partitions
-from bubblefree.train.config import apply_overrides, validate
+from bubblefree.train.config import apply_overrides, config_to_dict, validate
 
 
 def test_noise_floor_and_gap_recovered_by_hand():
@@ -54,6 +56,50 @@ def test_choose_lrs_skips_diverged_runs():
             {"optimizer": "adamw", "x": 2.5e-4, "final_val_loss": 4.5},
             {"optimizer": "muon", "x": 0.02, "final_val_loss": 3.0}]
     assert choose_lrs(rows) == {"adamw": 5e-4, "muon": 0.02}
+
+
+def test_sweep_extends_past_the_end_where_the_best_rate_sits():
+    sc = get_scale("cpu")  # factors 0.5, 1, 2 of the registry rate, up to 2 more each way (0.125x-8x)
+    rows = [{"optimizer": "adamw", "x": 3e-4, "final_val_loss": 5.0},  # best at the top: try 2.4e-3
+            {"optimizer": "adamw", "x": 6e-4, "final_val_loss": 4.6},
+            {"optimizer": "adamw", "x": 1.2e-3, "final_val_loss": 4.4},
+            {"optimizer": "muon", "x": 0.01, "final_val_loss": 3.0},  # best at the bottom: try 0.005
+            {"optimizer": "muon", "x": 0.02, "final_val_loss": 3.1},
+            {"optimizer": "muon", "x": 0.04, "final_val_loss": 3.2},
+            {"optimizer": "lion", "x": 5e-5, "final_val_loss": 5.2},  # best inside: done
+            {"optimizer": "lion", "x": 1e-4, "final_val_loss": 5.1},
+            {"optimizer": "lion", "x": 2e-4, "final_val_loss": 5.3}]
+    extension = sweep_extension(sc, rows)
+    assert [(r.optimizer, r.x) for r in extension] == [("adamw", 2.4e-3), ("muon", 0.005)]
+    # An extension run is the sweep run at that rate: the same id, so it is also the suite's sync seed 0.
+    (sweep_like,) = [r for r in sweep_runs(replace(sc, lr_factors=(4.0,)), ("adamw",))]
+    assert run_id(extension[0]) == run_id(sweep_like) and extension[0].config.pipeline.schedule == "sync"
+    # Two extensions up, the extended grid ends: the best stays at the edge and the table says so.
+    top = [{"optimizer": "adamw", "x": x, "final_val_loss": 5.0 - x} for x in (3e-4, 6e-4, 1.2e-3, 2.4e-3, 4.8e-3)]
+    assert sweep_extension(sc, top) == []
+    assert f"{4.8e-3:g} (grid edge)" in sweep_table(top)
+    assert sweep_extension(get_scale("smoke"), rows[:2]) == []  # smoke never extends
+
+
+def test_reproduce_walks_the_sweep_to_an_optimum_past_the_grid(tmp_path, monkeypatch):
+    # Every run is a stand-in whose loss is (log2 lr/lr*)^2 with lr* = 4x the registry rate: past the grid.
+    best = float(f"{4 * OPTIMIZERS['adamw'].lr:.3g}")
+    executed = []
+
+    def fake(run, work, **kw):
+        executed.append(run.x if run.variant == "sweep" else run.config.optim.lr)
+        loss = math.log2(run.config.optim.lr / best) ** 2 + 0.01 * run.config.train.seed
+        return {"id": run_id(run), "config": config_to_dict(run.config), "final_val_loss": loss, "val_curve": [[1, 1, loss]],
+                "train_curve": [[1, 1, loss]], "tokens_per_s": 1.0, "wall_time_s": 1.0, "commit": "c", "machine": "m"}
+
+    monkeypatch.setattr(runner_module, "_execute", fake)
+    smoke = SCALES["smoke"]
+    monkeypatch.setitem(SCALES, "smoke", lambda: replace(smoke(), lr_extend=3))
+    result = reproduce("optimizers", scale="smoke", out=tmp_path, optimizers=("adamw",), progress=False, jobs=1)
+    assert result["lrs"] == {"adamw": best}
+    # the grid's 0.5x and 1x, then 2x, 4x (the optimum) and 8x one at a time, then sync seed 1 and async
+    # seed 0 at the chosen rate (sync seed 0 is the sweep's run)
+    assert executed == pytest.approx([best / 8, best / 4, best / 2, best, 2 * best, best, best])
 
 
 def test_run_id_is_a_function_of_what_the_run_computes():

@@ -1,6 +1,7 @@
 """``bubblefree reproduce SUITE``: sweep, run, tabulate and plot one of the paper's experiments.
 
-Steps: (1) the synchronous learning-rate sweep of the suite's optimizers (``suites.sweep_runs``), (2) the
+Steps: (1) the synchronous learning-rate sweep of the suite's optimizers (``suites.sweep_runs``, extended
+past an end of its grid while the best rate sits there: ``suites.sweep_extension``), (2) the
 suite's runs at the chosen rates, (3) ``<out>/<suite>.md`` (the sweep, the table laid out like the paper's
 with its numbers beside ours, the definitions, provenance) and the PNG plots. Every run leaves
 ``<out>/runs/<id>.json``; a re-run skips finished runs, so an interrupted suite continues where it stopped
@@ -21,7 +22,7 @@ from bubblefree.errors import UserError
 from bubblefree.experiments.plots import draw
 from bubblefree.experiments.runner import commit, machine, pending, run_all
 from bubblefree.experiments.scales import get_scale
-from bubblefree.experiments.suites import choose_lrs, get_suite, sweep_runs, sweep_table
+from bubblefree.experiments.suites import choose_lrs, get_suite, sweep_extension, sweep_runs, sweep_table
 from bubblefree.optim import OPTIMIZERS
 
 __all__ = ["default_jobs", "reproduce"]
@@ -72,6 +73,9 @@ def reproduce(suite: str, *, scale: str = "cpu", out: str | Path | None = None, 
     with tqdm(total=len(todo) + len(estimate), unit="run", desc=f"{suite} ({sc.name})", dynamic_ncols=True,
               disable=not progress) as bar:
         sweep_rows = run_all(sweep, out, bar=bar, jobs=jobs)
+        while extension := sweep_extension(sc, sweep_rows):  # a best rate at an end: try past it
+            bar.total += len(pending(extension, out))
+            sweep_rows += run_all(extension, out, bar=bar, jobs=jobs)
         lrs = {o: choose_lrs(sweep_rows)[o] for o in chosen}
         runs = spec.runs(sc, lrs)
         bar.total = bar.n + len(pending(runs, out))

@@ -5,14 +5,15 @@ of seeds, the learning-rate factors of the synchronous sweep, and the model pres
 another one (a 32-layer narrow ``deep-*`` model for the depth-16 schedules, an MoE). Sizing:
 
 - ``smoke``: the ``smoke`` run preset (llama-1m, byte tokenizer, 40 steps of 8 x 64 tokens), one seed, a
-  two-point sweep. A run takes 1-2 s on one core, so every suite finishes in a few minutes.
+  two-point sweep that never extends. A run takes 1-2 s on one core, so every suite finishes in a few minutes.
 - ``cpu``: DESIGN.md section 7's prototype (llama-5m at vocabulary 4096, sequence 128, batch 16), which
-  took 1.5-2 minutes per 300 steps on 2 idle cores; 200 steps, 2 seeds, a three-point sweep: the
+  took 1.5-2 minutes per 300 steps on 2 idle cores; 200 steps, 2 seeds, a three-point sweep (0.5x-2x the
+  registry rate, extended up to 0.125x-8x while the best sits at an end): the
   ``optimizers`` suite is 36 runs: 88-92 s each on one core (two at a time on 2 cores, docs/results.md).
   One thread per run: on a shared machine a second thread waiting for a busy core made steps many times
   slower (measured: 20 steps in 20 s on one thread, under 30 in 5 min on two).
 - ``gpu``: SmolLM2-135M's shapes (arXiv 2606.30634 trains 135M/360M) on the embedded corpus with an 8192 BPE
-  vocabulary, sequence 512, batch 32, 2000 steps (33M tokens), 3 seeds.
+  vocabulary, sequence 512, batch 32, 2000 steps (33M tokens), 3 seeds, a sweep extended up to 0.25x-4x.
 - SOAP preconditions every dimension up to ``optim.max_precond_dim``, below the vocabulary and above every
   hidden dimension at both real scales (2048 at cpu, 4096 at gpu): the paper's regime, where the 49152
   vocabulary exceeds SOAP's default 10000 and the widest hidden dimension (2560) does not. At cpu scale with
@@ -44,6 +45,11 @@ class Scale:
     lr_factors: tuple[float, ...]
     """The synchronous sweep tries the optimizer's registry default learning rate times each factor."""
 
+    lr_extend: int
+    """While an optimizer's best rate sits at an end of the rates tried, the sweep tries one more factor beyond
+    it (the grid's ratio again), up to this many beyond each end: a best rate at the edge says the optimum may
+    lie past it."""
+
     deep_model: str
     """Model preset with >= 32 layers, so every stage of WPipe's 2P partitions at depth 16 holds a layer."""
 
@@ -60,7 +66,7 @@ def _smoke() -> Scale:
         **_QUIET, "pipeline.schedule": "sync", "delay.correction": "none",
         "train.eval_every": 0, "train.eval_batches": 4, "train.log_every": 5,
     })
-    return Scale(name="smoke", base=base, seeds=1, lr_factors=(0.5, 1.0), deep_model="deep-1m",
+    return Scale(name="smoke", base=base, seeds=1, lr_factors=(0.5, 1.0), lr_extend=0, deep_model="deep-1m",
                  moe_model="moe-1m")
 
 
@@ -69,7 +75,7 @@ def _cpu() -> Scale:
         **_QUIET, "train.steps": 200, "train.eval_every": 50, "train.eval_batches": 8, "train.log_every": 10,
         "train.threads": 1, "optim.max_precond_dim": 2048,
     })
-    return Scale(name="cpu", base=base, seeds=2, lr_factors=(0.5, 1.0, 2.0), deep_model="deep-3m",
+    return Scale(name="cpu", base=base, seeds=2, lr_factors=(0.5, 1.0, 2.0), lr_extend=2, deep_model="deep-3m",
                  moe_model="moe-6m")
 
 
@@ -79,7 +85,7 @@ def _gpu() -> Scale:
         "train.batch_size": 32, "train.seq_len": 512, "train.eval_every": 200, "train.eval_batches": 16,
         "train.log_every": 20, "train.device": "cuda", "optim.max_precond_dim": 4096,
     })
-    return Scale(name="gpu", base=base, seeds=3, lr_factors=(0.5, 1.0, 2.0), deep_model="deep-30m",
+    return Scale(name="gpu", base=base, seeds=3, lr_factors=(0.5, 1.0, 2.0), lr_extend=1, deep_model="deep-30m",
                  moe_model="moe-20m")
 
 

@@ -42,7 +42,7 @@ from bubblefree.experiments.tables import (
 from bubblefree.optim import OPTIMIZERS
 from bubblefree.train.config import apply_overrides
 
-__all__ = ["SUITES", "Suite", "choose_lrs", "get_suite", "sweep_runs", "sweep_table"]
+__all__ = ["SUITES", "Suite", "choose_lrs", "get_suite", "sweep_extension", "sweep_runs", "sweep_table"]
 
 Rows = list[dict[str, Any]]
 
@@ -73,8 +73,19 @@ class Suite:
 # ---------------------------------------------------------------------------------------------- run builders
 
 
-def _lr_grid(scale: Scale, optimizer: str) -> list[float]:
-    return [float(f"{OPTIMIZERS[optimizer].lr * f:.3g}") for f in scale.lr_factors]
+def _lr_grid(scale: Scale, optimizer: str, *, extended: bool = False) -> list[float]:
+    """The sweep's rates, ascending; ``extended``: with ``scale.lr_extend`` more factors beyond each end."""
+    factors = list(scale.lr_factors)
+    if extended and len(factors) > 1:
+        ratio = factors[-1] / factors[-2]
+        factors = ([factors[0] / ratio**k for k in range(scale.lr_extend, 0, -1)] + factors
+                   + [factors[-1] * ratio**k for k in range(1, scale.lr_extend + 1)])
+    return [float(f"{OPTIMIZERS[optimizer].lr * f:.3g}") for f in factors]
+
+
+def _sweep_run(scale: Scale, optimizer: str, lr: float) -> Run:
+    return Run(config=apply_overrides(scale.base, {"optim.name": optimizer, "optim.lr": lr, "train.seed": 0,
+                                                   **SYNC}), variant="sweep", x=lr)
 
 
 def _runs(scale: Scale, optimizer: str, lr: float, variant: str, overrides: dict[str, Any], *,
@@ -90,9 +101,26 @@ def sweep_runs(scale: Scale, optimizers: tuple[str, ...]) -> list[Run]:
     """The synchronous learning-rate sweep: seed 0, full length, the registry default times each factor.
 
     The run at the chosen learning rate is the very run the suites use as synchronous seed 0 (same config,
-    same id), so the sweep costs ``len(lr_factors) - 1`` extra runs per optimizer."""
-    return [Run(config=apply_overrides(scale.base, {"optim.name": opt, "optim.lr": lr, "train.seed": 0, **SYNC}),
-                variant="sweep", x=lr) for opt in optimizers for lr in _lr_grid(scale, opt)]
+    same id), so the sweep costs ``len(lr_factors) - 1`` extra runs per optimizer (plus its extensions)."""
+    return [_sweep_run(scale, opt, lr) for opt in optimizers for lr in _lr_grid(scale, opt)]
+
+
+def sweep_extension(scale: Scale, rows: Rows) -> list[Run]:
+    """The next sweep runs: for each optimizer in ``rows`` (the sweep's results so far) whose best rate is the
+    highest (lowest) it tried, the next higher (lower) rate of the extended grid, if there is one.
+
+    ``reproduce`` runs these until none is left, so the chosen rate is inside the rates tried unless the
+    extended grid ends there (``sweep_table`` then marks it)."""
+    out = []
+    for opt, best in choose_lrs(rows).items():
+        tried = sorted({r["x"] for r in rows if r["optimizer"] == opt})
+        grid = _lr_grid(scale, opt, extended=True)
+        if len(tried) < 2 or best not in (tried[0], tried[-1]):
+            continue
+        beyond = [lr for lr in grid if lr > best] if best == tried[-1] else [lr for lr in grid if lr < best][::-1]
+        if beyond:
+            out.append(_sweep_run(scale, opt, beyond[0]))
+    return out
 
 
 def choose_lrs(rows: Rows) -> dict[str, float]:
@@ -110,10 +138,10 @@ def sweep_table(rows: Rows) -> str:
     chosen = choose_lrs(rows)
     out = []
     for opt in dict.fromkeys(r["optimizer"] for r in rows):
-        mine = [r for r in rows if r["optimizer"] == opt]
+        mine = sorted((r for r in rows if r["optimizer"] == opt), key=lambda r: r["x"])
         cells = [f"lr {r['x']:g}: " + (f"**{fmt(r['final_val_loss'])}**" if r["x"] == chosen[opt] else
                                        fmt(r["final_val_loss"])) for r in mine]
-        # A best rate at the end of the grid says the optimum may lie beyond it.
+        # A best rate still at an end (the extended grid ends there) says the optimum may lie beyond it.
         edge = " (grid edge)" if len(mine) > 1 and chosen[opt] in (min(r["x"] for r in mine),
                                                                    max(r["x"] for r in mine)) else ""
         out.append([opt, f"{chosen[opt]:g}{edge}", "; ".join(cells)])
