@@ -100,6 +100,8 @@ def test_reproduce_walks_the_sweep_to_an_optimum_past_the_grid(tmp_path, monkeyp
     # the grid's 0.5x and 1x, then 2x, 4x (the optimum) and 8x one at a time, then sync seed 1 and async
     # seed 0 at the chosen rate (sync seed 0 is the sweep's run)
     assert executed == pytest.approx([best / 8, best / 4, best / 2, best, 2 * best, best, best])
+    header = result["table"].read_text().splitlines()[2]
+    assert "model `llama-1m`" in header and "pipeline depth 2 (simulated)" in header, header
 
 
 def test_run_id_is_a_function_of_what_the_run_computes():

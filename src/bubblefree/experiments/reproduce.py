@@ -98,10 +98,13 @@ def _markdown(spec, scale, sweep_rows, rows, plots, elapsed: float, command: str
     base = scale.base
     run_time = sum(r["wall_time_s"] for r in {r["id"]: r for r in rows + sweep_rows}.values())
     commits = sorted({r["commit"] for r in rows + sweep_rows})
+    # The suite's own runs, not the base run: `schedules` trains a deeper model at several depths.
+    models = ", ".join(f"`{m}`" for m in sorted({r["config"]["model"]["preset"] for r in rows}))
+    depths = ", ".join(str(p) for p in sorted({r["config"]["pipeline"]["stages"] for r in rows}))
     lines = [
         f"# {spec.title}", "",
-        (f"Scale `{scale.name}`: model `{base.model.preset}`, {base.train.steps} steps of {base.train.batch_size} x "
-         f"{base.train.seq_len} tokens, {base.pipeline.stages} pipeline stages (simulated), "
+        (f"Scale `{scale.name}`: model {models}, {base.train.steps} steps of {base.train.batch_size} x "
+         f"{base.train.seq_len} tokens (the base run), pipeline depth {depths} (simulated), "
          f"{scale.seeds} seed(s) (sync baselines at least 2)."),
         (f"Command: `{command}`; "
          f"commit(s) of the runs: {', '.join(commits)}; this table written at commit {commit()} on {machine()}."),
