@@ -74,8 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     reproduce.add_argument("suite", metavar="SUITE", help="optimizers, error-feedback, momentum, mitigations, "
                                                           "schedules, sensitivity or moe")
     reproduce.add_argument("--scale", choices=("smoke", "cpu", "gpu"), default="cpu",
-                           help="smoke: minutes; cpu (default): 23 min for optimizers on 2 cores without SOAP, ~55 with; "
-                                "gpu: 135M runs")
+                           help="smoke: minutes; cpu (default): 38 min for optimizers on 2 cores; gpu: 135M runs")
     reproduce.add_argument("--out", metavar="DIR", help="results folder (default results/<scale>)")
     reproduce.add_argument("--seeds", type=int, metavar="N", help="seeds per configuration (default: the scale's)")
     reproduce.add_argument("--optimizers", metavar="A,B,...", help="only these of the suite's optimizers")
