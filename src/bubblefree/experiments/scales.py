@@ -8,8 +8,8 @@ another one (a 32-layer narrow ``deep-*`` model for the depth-16 schedules, an M
   two-point sweep that never extends. A run takes 1-2 s on one core, so every suite finishes in a few minutes.
 - ``cpu``: DESIGN.md section 7's prototype (llama-5m at vocabulary 4096, sequence 128, batch 16), which
   took 1.5-2 minutes per 300 steps on 2 idle cores; 200 steps, 2 seeds, a three-point sweep (0.5x-2x the
-  registry rate, extended up to 0.125x-8x while the best sits at an end): the
-  ``optimizers`` suite is 36 runs: 88-92 s each on one core (two at a time on 2 cores, docs/results.md).
+  registry rate, extended up to 0.125x-8x while the best sits at an end): the ``optimizers`` suite is 36 runs
+  plus the extensions, 86-122 s each on one core, 38 min on 2 cores (two at a time; docs/results.md).
   One thread per run: on a shared machine a second thread waiting for a busy core made steps many times
   slower (measured: 20 steps in 20 s on one thread, under 30 in 5 min on two).
 - ``gpu``: SmolLM2-135M's shapes (arXiv 2606.30634 trains 135M/360M) on the embedded corpus with an 8192 BPE
