@@ -114,9 +114,9 @@ def sweep_extension(scale: Scale, rows: Rows) -> list[Run]:
     out = []
     for opt, best in choose_lrs(rows).items():
         tried = sorted({r["x"] for r in rows if r["optimizer"] == opt})
-        grid = _lr_grid(scale, opt, extended=True)
         if len(tried) < 2 or best not in (tried[0], tried[-1]):
             continue
+        grid = _lr_grid(scale, opt, extended=True)
         beyond = [lr for lr in grid if lr > best] if best == tried[-1] else [lr for lr in grid if lr < best][::-1]
         if beyond:
             out.append(_sweep_run(scale, opt, beyond[0]))
@@ -142,8 +142,7 @@ def sweep_table(rows: Rows) -> str:
         cells = [f"lr {r['x']:g}: " + (f"**{fmt(r['final_val_loss'])}**" if r["x"] == chosen[opt] else
                                        fmt(r["final_val_loss"])) for r in mine]
         # A best rate still at an end (the extended grid ends there) says the optimum may lie beyond it.
-        edge = " (grid edge)" if len(mine) > 1 and chosen[opt] in (min(r["x"] for r in mine),
-                                                                   max(r["x"] for r in mine)) else ""
+        edge = " (grid edge)" if len(mine) > 1 and chosen[opt] in (mine[0]["x"], mine[-1]["x"]) else ""
         out.append([opt, f"{chosen[opt]:g}{edge}", "; ".join(cells)])
     return markdown_table(["optimizer", "chosen lr", "sync final val loss per lr (seed 0)"], out)
 
