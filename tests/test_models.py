@@ -53,8 +53,8 @@ def tokens(batch: int = 2, seq: int = 16, seed: int = 1) -> torch.Tensor:
 def test_preset_parameter_count_matches_its_name(name: str) -> None:
     model = build_model(name, device="meta")
     assert model.embed.weight.device.type == "meta"
-    number, unit = re.fullmatch(r".*-(\d+)([mb])", name).groups()
-    expected = int(number) * {"m": 1e6, "b": 1e9}[unit]
+    number, unit = re.fullmatch(r".*-(\d+(?:\.\d+)?)([mb])", name).groups()
+    expected = float(number) * {"m": 1e6, "b": 1e9}[unit]
     total = model.num_params()
     assert abs(total - expected) <= 0.1 * expected, (name, total)
     active = model.num_params(active=True)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import statistics
@@ -112,7 +113,41 @@ def test_run_id_is_a_function_of_what_the_run_computes():
     assert run_id(a) != run_id(Run(config=apply_overrides(base, {"train.seed": 1}), variant="sync"))
 
 
-@pytest.mark.parametrize("scale", ["smoke", "cpu", "gpu"])
+def test_a_key_added_at_its_neutral_value_keeps_every_run_id(monkeypatch):
+    # Stand-in for a key added later: taylor_lambda as if it were new, with neutral value 0.
+    base = get_scale("smoke").base
+    before = run_id(Run(config=base, variant="sync"))
+    reference = hashlib.sha256(json.dumps({k: v for k, v in config_to_dict(base).items() if k != "log"},
+                                          sort_keys=True).encode()).hexdigest()[:10]
+    assert before.endswith(reference)  # the ids of runs made before NEUTRAL existed are kept
+    monkeypatch.setattr(runner_module, "_ORIGINAL_KEYS", runner_module._ORIGINAL_KEYS - {"delay.taylor_lambda"})
+    monkeypatch.setitem(runner_module.NEUTRAL, "delay.taylor_lambda", 0.0)
+    assert "taylor_lambda" not in runner_module.identity(base)["delay"]
+    moved = apply_overrides(base, {"delay.taylor_lambda": 0.5})
+    assert run_id(Run(config=moved, variant="sync")) != run_id(Run(config=base, variant="sync"))
+    monkeypatch.delitem(runner_module.NEUTRAL, "delay.taylor_lambda")
+    with pytest.raises(KeyError, match="delay.taylor_lambda"):  # a new key must say its neutral value
+        run_id(Run(config=base, variant="sync"))
+
+
+def test_every_config_key_is_original_or_has_a_neutral_value():
+    keys = {f"{s}.{k}" for s, table in config_to_dict(get_scale("smoke").base).items() if s != "log" for k in table}
+    assert keys <= runner_module._ORIGINAL_KEYS | set(runner_module.NEUTRAL)
+
+
+def test_horizon_runs_are_full_runs_of_each_length_sharing_the_base_length():
+    sc = get_scale("long")
+    runs = SUITES["horizon"].runs(sc, {"muon": 0.02})
+    steps = {r.x: r.config.train.steps for r in runs}
+    assert steps == {0.05: 60, 0.25: 300, 1.0: 1200, 2.0: 2400}
+    assert all(r.config.train.warmup_frac == sc.base.train.warmup_frac for r in runs)  # own warmup and decay
+    base_ids = {run_id(r) for r in runs if r.x == 1.0}
+    ef_ids = {run_id(r) for r in SUITES["error-feedback"].runs(sc, {"muon": 0.02})}
+    assert base_ids == ef_ids  # the 20-token point is the error-feedback suite's runs, not new ones
+    assert {r.variant for r in runs} == {"sync", "async", "ef"}
+
+
+@pytest.mark.parametrize("scale", list(SCALES))
 @pytest.mark.parametrize("suite", list(SUITES))
 def test_every_suite_builds_valid_comparable_runs(suite, scale):
     sc = get_scale(scale)
@@ -142,11 +177,12 @@ def test_every_suite_builds_valid_comparable_runs(suite, scale):
             assert len(tokens) == 1
 
 
-@pytest.mark.parametrize("scale", ["cpu", "gpu"])
+@pytest.mark.parametrize("scale", ["cpu", "long", "gpu"])
 def test_soap_preconditions_every_dimension_but_the_vocabulary(scale):
     # The paper's regime (49152 vocabulary > SOAP's 10000 >= every hidden dimension), at our vocabularies.
     sc = get_scale(scale)
-    limit, vocab = sc.base.optim.max_precond_dim, sc.base.data.vocab_size
+    limit = sc.base.optim.max_precond_dim
+    vocab = 256 if sc.base.data.tokenizer == "byte" else sc.base.data.vocab_size
     for preset in {sc.base.model.preset, sc.deep_model, sc.moe_model}:
         with torch.device("meta"):
             model = build_model(preset, vocab_size=vocab)
@@ -218,3 +254,18 @@ def test_cli_rejects_bad_input(tmp_path, capsys):
         assert main(["reproduce", "moe", "--scale", "gpu", "--out", str(tmp_path)]) == 2
         assert "needs a CUDA device" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
+
+
+def test_horizon_suite_end_to_end_at_smoke_scale(tmp_path):
+    out = tmp_path / "results"
+    assert main(["reproduce", "horizon", "--scale", "smoke", "--out", str(out), "--optimizers", "muon"]) == 0
+    runs = list(_read_runs(out).values())
+    assert {r["config"]["train"]["steps"] for r in runs} == {20, 40}
+    for rec in runs:  # every record carries its parameter counts and its horizon
+        t = rec["config"]["train"]
+        assert 0 < rec["params_non_embedding"] < rec["params"]
+        assert rec["tokens_per_param"] == pytest.approx(t["steps"] * t["batch_size"] * t["seq_len"] / rec["params"])
+    results = (out / "horizon.md").read_text().partition("## Results")[2]
+    rows = [line for line in results.splitlines() if line.startswith("| muon |")]
+    assert [row.split(" | ")[1] for row in rows] == ["20", "40"]
+    assert (out / "horizon-gap.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

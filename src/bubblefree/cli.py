@@ -4,7 +4,7 @@
                      [--resume DIR | --resume DIR/checkpoints/step_NNNNNNNN.pt]
     bubblefree simulate --stages P --microbatches M --schedules a,b,... [--costs F:B:W[:U]] [--steps T] [--out DIR]
     bubblefree bench {train,optim,delay,pipeline,time-to-loss} [--out DIR]
-    bubblefree reproduce SUITE [--scale smoke|cpu|gpu] [--out DIR] [--seeds N] [--optimizers A,B,...]
+    bubblefree reproduce SUITE [--scale smoke|cpu|long|gpu] [--out DIR] [--seeds N] [--optimizers A,B,...]
 
 Exit codes: 0 success; 2 invalid input (one line on stderr naming the problem, nothing written or
 overwritten); 1 an internal failure (with its traceback); 3 training diverged (a non-finite loss or gradient
@@ -72,9 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Reproduce an experiment of arXiv 2606.30634 (see docs/results.md). Finished runs are "
                     "skipped, so an interrupted suite continues where it stopped.")
     reproduce.add_argument("suite", metavar="SUITE", help="optimizers, error-feedback, momentum, mitigations, "
-                                                          "schedules, sensitivity or moe")
-    reproduce.add_argument("--scale", choices=("smoke", "cpu", "gpu"), default="cpu",
-                           help="smoke: minutes; cpu (default): 38 min for optimizers on 2 cores; gpu: 135M runs")
+                                                          "schedules, sensitivity, moe or horizon")
+    reproduce.add_argument("--scale", choices=("smoke", "cpu", "long", "gpu"), default="cpu",
+                           help="smoke: minutes; cpu (default): 38 min for optimizers on 2 cores; long: 20 tokens "
+                                "per parameter, ~10 min per run on one core; gpu: 135M runs")
     reproduce.add_argument("--out", metavar="DIR", help="results folder (default results/<scale>)")
     reproduce.add_argument("--seeds", type=int, metavar="N", help="seeds per configuration (default: the scale's)")
     reproduce.add_argument("--optimizers", metavar="A,B,...", help="only these of the suite's optimizers")

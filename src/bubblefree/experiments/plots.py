@@ -98,8 +98,52 @@ def _gaps(rows: Rows, path: Path, title: str, xlabel: str) -> None:
     _save(plt, fig, path)
 
 
+def _horizon(rows: Rows, path: Path, title: str) -> None:
+    """Top: gap of async and of async + EF against tokens per parameter, the noise floor as a band; bottom:
+    the share of the gap EF recovers. One column per optimizer."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from bubblefree.experiments.tables import gap_recovered
+
+    optimizers = list(dict.fromkeys(r["optimizer"] for r in rows))
+    fig, axes = plt.subplots(2, len(optimizers), figsize=(4.4 * len(optimizers), 6.4), dpi=100, squeeze=False)
+    for col, opt in enumerate(optimizers):
+        mine = [r for r in rows if r["optimizer"] == opt]
+        factors = sorted({r["x"] for r in mine})
+        tpp = []
+        for f in factors:
+            r = next(r for r in mine if r["x"] == f)
+            t = r["config"]["train"]
+            tpp.append(t["steps"] * t["batch_size"] * t["seq_len"] / r.get("params", 1))
+        at = {f: {v: losses(mine, variant=v, x=f) for v in ("sync", "async", "ef")} for f in factors}
+        noise = np.array([noise_floor(at[f]["sync"]) for f in factors])
+        top, bottom = axes[0][col], axes[1][col]
+        if np.isfinite(noise).any():
+            top.fill_between(tpp, -noise, noise, color="grey", alpha=0.25, label="noise floor")
+        for variant, label in (("async", "async (2BW)"), ("ef", "async + EF")):
+            top.plot(tpp, [mean(at[f][variant]) - mean(at[f]["sync"]) for f in factors], "o-", lw=1.5, label=label)
+        recovered = [100 * gap_recovered(mean(at[f]["sync"]), mean(at[f]["async"]), mean(at[f]["ef"]))
+                     for f in factors]
+        bottom.plot(tpp, recovered, "o-", lw=1.5, color="C1")
+        bottom.axhline(100.0, color="black", lw=0.8, ls="--")
+        top.axhline(0.0, color="black", lw=0.8)
+        top.set_title(opt)
+        top.set_ylabel("final val loss - sync")
+        bottom.set_ylabel("gap recovered by EF (%)")
+        for ax in (top, bottom):
+            ax.set_xscale("log")
+            ax.set_xlabel("training tokens per parameter")
+            ax.grid(alpha=0.3)
+        top.legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    _save(plt, fig, path)
+
+
 def draw(rows: Rows, plots: Sequence[tuple[str, str]], out: str | Path, *, title: str) -> list[Path]:
-    """Draw each ``(stem, kind)`` of ``plots`` (kind ``curves`` or ``gap``) into ``out/<stem>.png``."""
+    """Draw each ``(stem, kind)`` of ``plots`` (kind ``curves``, ``gap`` or ``horizon``) into ``out/<stem>.png``."""
     paths = []
     for stem, kind in plots:
         path = Path(out) / f"{stem}.png"
@@ -108,7 +152,9 @@ def draw(rows: Rows, plots: Sequence[tuple[str, str]], out: str | Path, *, title
         elif kind == "gap":
             xlabel = "pipeline depth P" if stem.startswith("schedules") else "momentum"
             _gaps(rows, path, title, xlabel)
+        elif kind == "horizon":
+            _horizon(rows, path, title)
         else:
-            raise ValueError(f"Invalid plot kind: {kind!r} (expected 'curves' or 'gap')")
+            raise ValueError(f"Invalid plot kind: {kind!r} (expected 'curves', 'gap' or 'horizon')")
         paths.append(path)
     return paths

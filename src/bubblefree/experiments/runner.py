@@ -2,7 +2,9 @@
 
 A :class:`Run` is a :class:`~bubblefree.train.config.Config` with the tags the tables group by. Its id is
 ``<name>-<hash of the config>`` (both functions of the config alone), so two suites (or a sweep and a
-baseline) that need the very same run share one result, and a changed config never reuses a stale one. ``<out>/runs/<id>.json`` holds the config, the
+baseline) that need the very same run share one result, and a changed config never reuses a stale one. A key
+added to the config later enters the hash only away from its neutral value (:data:`NEUTRAL`), so results of
+long suites survive new keys. ``<out>/runs/<id>.json`` holds the config, the
 final validation loss, the validation and training curves, the wall time, the commit and the machine; it is
 written atomically after the run, so an interrupted suite re-run skips exactly the finished runs. The
 training folder of a run (``<out>/work/<id>``: config.toml, metrics.jsonl, loss.png, train.log) is kept
@@ -31,7 +33,7 @@ import torch
 from bubblefree.train.config import Config, config_to_dict
 from bubblefree.train.metrics import METRICS_FILE, read_metrics
 
-__all__ = ["Run", "commit", "machine", "pending", "run_all", "run_id"]
+__all__ = ["NEUTRAL", "Run", "commit", "identity", "machine", "pending", "run_all", "run_id"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,11 +65,45 @@ class Run:
         return f"{c.optim.name}-{c.pipeline.schedule}{c.pipeline.stages}{correction}-s{c.train.seed}"
 
 
+# The config keys that existed when run ids were introduced: each is always part of the id.
+_ORIGINAL_KEYS = frozenset(
+    [f"model.{k}" for k in ("preset", "vocab_size")]
+    + [f"data.{k}" for k in ("source", "tokenizer", "vocab_size", "cache_dir")]
+    + [f"optim.{k}" for k in ("name", "lr", "momentum", "weight_decay", "adamw_lr", "max_precond_dim")]
+    + [f"train.{k}" for k in ("steps", "batch_size", "seq_len", "seed", "warmup_frac", "min_lr_frac", "grad_clip",
+                              "eval_every", "eval_batches", "log_every", "ckpt_every", "ckpt_keep", "device",
+                              "dtype", "nonfinite", "threads")]
+    + [f"pipeline.{k}" for k in ("schedule", "stages", "microbatches", "runtime")]
+    + [f"delay.{k}" for k in ("correction", "ef_beta", "taylor_lambda", "sync_start_steps", "sync_cooldown_steps")]
+)
+
+NEUTRAL: dict[str, Any] = {}
+"""Every config key added after :data:`_ORIGINAL_KEYS`, with its *neutral* value: the value under which a run
+computes exactly what it computed before the key existed. A key at its neutral value is left out of the id, so
+adding a key never orphans finished results, while any other value (a change that affects training) gives a
+new id. A new key must be entered here (a test checks that every key is one or the other)."""
+
+
+def identity(config: Config) -> dict[str, dict[str, Any]]:
+    """The part of ``config`` a run's id hashes: every section but ``log`` (it changes nothing the run
+    computes), without the keys that sit at their :data:`NEUTRAL` value."""
+    out: dict[str, dict[str, Any]] = {}
+    for section, table in config_to_dict(config).items():
+        if section == "log":
+            continue
+        out[section] = {}
+        for key, value in table.items():
+            dotted = f"{section}.{key}"
+            if dotted not in _ORIGINAL_KEYS and dotted not in NEUTRAL:
+                raise KeyError(f"config key {dotted} has no neutral value in experiments.runner.NEUTRAL")
+            if dotted in _ORIGINAL_KEYS or value != NEUTRAL[dotted]:
+                out[section][key] = value
+    return out
+
+
 def run_id(run: Run) -> str:
-    """``<name>-<first 10 hex digits of the sha256 of the config>``. ``log.*`` is left out: it changes
-    nothing the run computes."""
-    data = {k: v for k, v in config_to_dict(run.config).items() if k != "log"}
-    digest = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:10]
+    """``<name>-<first 10 hex digits of the sha256 of the config's identity>`` (:func:`identity`)."""
+    digest = hashlib.sha256(json.dumps(identity(run.config), sort_keys=True).encode()).hexdigest()[:10]
     return f"{run.name}-{digest}"
 
 
@@ -129,7 +165,9 @@ def _execute(run: Run, work: Path, *, provenance: dict[str, str]) -> dict[str, A
         "final_val_loss": loss if math.isfinite(loss) else None,
         "val_curve": [[r["step"], r["tokens"], r["val_loss"]] for r in records if "val_loss" in r],
         "train_curve": [[r["step"], r["tokens"], r["loss"]] for r in records],
-        "tokens_per_s": summary["tokens_per_s"], "wall_time_s": wall, **provenance,
+        "tokens_per_s": summary["tokens_per_s"], "wall_time_s": wall,
+        "params": summary["params"], "params_non_embedding": summary["params_non_embedding"],
+        "tokens_per_param": summary["tokens"] / summary["params"], **provenance,
     }
 
 

@@ -1,4 +1,4 @@
-"""How big the reproduction runs are: ``smoke`` (seconds per run), ``cpu`` (the default) and ``gpu``.
+"""How big the reproduction runs are: ``smoke`` (seconds per run), ``cpu`` (the default), ``long`` and ``gpu``.
 
 A :class:`Scale` holds the base run (built from the run presets of ``bubblefree.train.presets``), the number
 of seeds, the learning-rate factors of the synchronous sweep, and the model presets of the suites that need
@@ -14,8 +14,14 @@ another one (a 32-layer narrow ``deep-*`` model for the depth-16 schedules, an M
   slower (measured: 20 steps in 20 s on one thread, under 30 in 5 min on two).
 - ``gpu``: SmolLM2-135M's shapes (arXiv 2606.30634 trains 135M/360M) on the embedded corpus with an 8192 BPE
   vocabulary, sequence 512, batch 32, 2000 steps (33M tokens), 3 seeds, a sweep extended up to 0.25x-4x.
+- ``long``: the paper's horizon, about 20 tokens per parameter counting every trainable parameter (the
+  paper's 135M/360M runs are Chinchilla-style): ``byte-0.5m`` (0.47M parameters, 0.42M outside the embedding
+  and head) on the byte tokenizer, 1200 steps of 32 x 256 tokens (9.8M tokens: 20.7 tokens per parameter,
+  23 per non-embedding parameter; 1.4 passes over the 7.2M-byte training split), 2 seeds, the cpu scale's
+  sweep. The ``horizon`` suite trains it to 0.05x-2x that length (1 to 41 tokens per parameter); a 16-layer
+  model of the same size for the depth-2 and depth-8 schedules, a 0.5M MoE. docs/results.md has the time per run.
 - SOAP preconditions every dimension up to ``optim.max_precond_dim``, below the vocabulary and above every
-  hidden dimension at both real scales (2048 at cpu, 4096 at gpu): the paper's regime, where the 49152
+  hidden dimension at every real scale (2048 at cpu, 4096 at gpu, 255 at long): the paper's regime, where the 49152
   vocabulary exceeds SOAP's default 10000 and the widest hidden dimension (2560) does not. At cpu scale with
   the default, the 4096-wide embedding and head were preconditioned too and a run took 8-15 min, not ~2.
 """
@@ -56,6 +62,13 @@ class Scale:
     moe_model: str
     """Model preset of the ``moe`` suite."""
 
+    depths: tuple[int, ...] = (2, 4, 8, 16)
+    """Pipeline depths of the ``schedules`` suite."""
+
+    horizons: tuple[float, ...] = (0.25, 0.5, 1.0)
+    """Lengths of the ``horizon`` suite's runs as multiples of the base run's steps (each a full run with
+    its own warmup and cosine decay, not a cut of a longer one)."""
+
 
 # Evaluation and logging settings shared by every scale's runs: the progress bar is the suite's, not the run's.
 _QUIET = {"log.progress": False, "train.ckpt_every": 0, "train.ckpt_keep": 1}
@@ -67,7 +80,7 @@ def _smoke() -> Scale:
         "train.eval_every": 0, "train.eval_batches": 4, "train.log_every": 5,
     })
     return Scale(name="smoke", base=base, seeds=1, lr_factors=(0.5, 1.0), lr_extend=0, deep_model="deep-1m",
-                 moe_model="moe-1m")
+                 moe_model="moe-1m", horizons=(0.5, 1.0))
 
 
 def _cpu() -> Scale:
@@ -86,10 +99,24 @@ def _gpu() -> Scale:
         "train.log_every": 20, "train.device": "cuda", "optim.max_precond_dim": 4096,
     })
     return Scale(name="gpu", base=base, seeds=3, lr_factors=(0.5, 1.0, 2.0), lr_extend=1, deep_model="deep-30m",
-                 moe_model="moe-20m")
+                 moe_model="moe-20m", horizons=(0.25, 1.0))
 
 
-SCALES = {"smoke": _smoke, "cpu": _cpu, "gpu": _gpu}
+def _long() -> Scale:
+    # 20 tokens per parameter, the paper's horizon, on one core: the byte vocabulary keeps 90 % of the 0.47M
+    # parameters outside the embedding and head, and 32 x 256-token batches keep each kernel large enough
+    # that a step is matmul-bound, not launch-bound (eager and torch.compile ran within 10 % of each other).
+    base = apply_overrides(get_preset("sync-baseline"), {
+        **_QUIET, "model.preset": "byte-0.5m", "data.tokenizer": "byte", "train.steps": 1200,
+        "train.batch_size": 32, "train.seq_len": 256, "train.eval_every": 200, "train.eval_batches": 32,
+        "train.log_every": 20, "train.threads": 1, "optim.max_precond_dim": 255,
+    })
+    return Scale(name="long", base=base, seeds=2, lr_factors=(0.5, 1.0, 2.0), lr_extend=2,
+                 deep_model="byte-deep-0.5m", moe_model="byte-moe-0.5m", depths=(2, 8),
+                 horizons=(0.05, 0.25, 1.0, 2.0))
+
+
+SCALES = {"smoke": _smoke, "cpu": _cpu, "gpu": _gpu, "long": _long}
 """Scale name -> a function returning the :class:`Scale`."""
 
 

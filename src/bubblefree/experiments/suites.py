@@ -11,9 +11,10 @@ at least two seeds so each gap can be printed beside its noise floor (``experime
 | ``error-feedback`` | sync, async, async + EF; six optimizers | Table 2 |
 | ``momentum`` | sync, async at momentum 0.8 / 0.9 / 0.95 / 0.98; AdamW, Muon | momentum ablation |
 | ``mitigations`` | sync start, sync cooldown, Taylor, EF, Nesterov; AdamW, Muon | mitigation ablation |
-| ``schedules`` | sync, 2BW, PipeDream, WPipe at depth 2 / 4 / 8 / 16 (32-layer model); AdamW, Muon | depth |
+| ``schedules`` | sync, 2BW, PipeDream, WPipe at the scale's depths (2 / 4 / 8 / 16, a 32-layer model); AdamW, Muon | depth |
 | ``sensitivity`` | sync, async at 0.5x / 2x batch (same tokens), 0.5x / 2x lr, wd 0 / 0.3; AdamW, Muon | ablations |
 | ``moe`` | sync, async, async + EF on a small MoE; AdamW, Muon | MoE result |
+| ``horizon`` | sync, async, async + EF trained to several lengths (tokens per parameter); AdamW, Muon | 50B vs 200B |
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from bubblefree.experiments.tables import (
     markdown_table,
     mean,
     noise_floor,
+    tokens_per_param,
 )
 from bubblefree.optim import OPTIMIZERS
 from bubblefree.train.config import apply_overrides
@@ -51,7 +53,6 @@ ASYNC = {"pipeline.schedule": "2bw", "delay.correction": "none"}
 EF = {"pipeline.schedule": "2bw", "delay.correction": "ef"}
 ALL_OPTIMIZERS = ("adamw", "muon", "soap", "adan", "lion", "mars")  # the paper's Table 1 order
 MOMENTA = (0.8, 0.9, 0.95, 0.98)
-DEPTHS = (2, 4, 8, 16)
 TAYLOR_LAMBDA = 0.1  # DC-ASGD's lambda; docs/delay.md's example value (the paper gives none we could read)
 
 
@@ -186,11 +187,30 @@ def _momentum_runs(scale: Scale, lrs: dict[str, float]) -> list[Run]:
 def _schedule_runs(scale: Scale, lrs: dict[str, float]) -> list[Run]:
     out = []
     for opt, lr in lrs.items():
-        for depth in DEPTHS:
+        for depth in scale.depths:
             for schedule in ("sync", "2bw", "pipedream", "wpipe"):
                 over = {"model.preset": scale.deep_model, "pipeline.schedule": schedule, "pipeline.stages": depth,
                         "delay.correction": "none"}
                 out += _runs(scale, opt, lr, schedule, over, x=depth)
+    return out
+
+
+def _horizon_overrides(scale: Scale, factor: float) -> dict[str, Any]:
+    """The base run trained ``factor`` times as long (its own warmup and cosine decay); evaluations scale along."""
+    t = scale.base.train
+    steps = max(1, round(t.steps * factor))
+    return {"train.steps": steps, "train.eval_every": max(1, round(t.eval_every * factor)) if t.eval_every else 0,
+            "train.log_every": max(1, min(t.log_every, steps // 10))}
+
+
+def _horizon_runs(scale: Scale, lrs: dict[str, float]) -> list[Run]:
+    """sync / async / async + EF at each of ``scale.horizons``, all at the rate the base-length sweep chose."""
+    out = []
+    for opt, lr in lrs.items():
+        for factor in scale.horizons:
+            over = _horizon_overrides(scale, factor) if factor != 1.0 else {}
+            for variant, sched in (("sync", SYNC), ("async", ASYNC), ("ef", EF)):
+                out += _runs(scale, opt, lr, variant, {**sched, **over}, x=factor)
     return out
 
 
@@ -283,13 +303,28 @@ def _mitigations_table(rows: Rows) -> str:
 def _schedules_table(rows: Rows) -> str:
     out = []
     for opt in dict.fromkeys(r["optimizer"] for r in rows):
-        for depth in DEPTHS:
+        for depth in sorted({r["x"] for r in rows}):
             sync = losses(rows, optimizer=opt, x=depth, variant="sync")
             gaps = [fmt(mean(losses(rows, optimizer=opt, x=depth, variant=s)) - mean(sync))
                     for s in ("2bw", "pipedream", "wpipe")]
             out.append([opt, str(depth), fmt_mean(sync), *gaps, fmt(noise_floor(sync))])
     return markdown_table(["optimizer", "depth P", "sync", "2BW gap", "PipeDream gap", "WPipe gap", "noise floor"],
                           out)
+
+
+def _horizon_table(rows: Rows) -> str:
+    out = []
+    for opt in dict.fromkeys(r["optimizer"] for r in rows):
+        for factor in sorted({r["x"] for r in rows if r["optimizer"] == opt}):
+            mine = [r for r in rows if r["optimizer"] == opt and r["x"] == factor]
+            sync, delayed, gap, noise = _gap_cells(mine)
+            ef = losses(mine, variant="ef")
+            r0 = mine[0]
+            out.append([opt, str(r0["config"]["train"]["steps"]), tokens_per_param(r0), fmt_mean(sync),
+                        fmt_mean(delayed), fmt_mean(ef), gap, noise,
+                        fmt_pct(gap_recovered(mean(sync), mean(delayed), mean(ef)))])
+    return markdown_table(["optimizer", "steps", "tokens / parameter (non-embedding)", "sync", "async",
+                           "async + EF", "gap", "noise floor", "gap recovered"], out)
 
 
 def _sensitivity_table(rows: Rows) -> str:
@@ -324,6 +359,8 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
     Suite(name="moe", title="Sync / async / async + EF on a small MoE", optimizers=("adamw", "muon"),
           runs=_sync_async_ef(ef=True, extra=lambda scale: {"model.preset": scale.moe_model}),
           table=_moe_table, plots=(("moe-curves", "curves"),)),
+    Suite(name="horizon", title="The sync-async gap against the training horizon", optimizers=("adamw", "muon"),
+          runs=_horizon_runs, table=_horizon_table, plots=(("horizon-gap", "horizon"),)),
 )}
 """Suite name -> :class:`Suite`."""
 

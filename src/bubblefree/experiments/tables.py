@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 __all__ = ["PAPER_360M", "PAPER_MOE", "fmt", "fmt_mean", "fmt_pct", "gap_recovered", "losses", "markdown_table",
-           "mean", "noise_floor"]
+           "mean", "noise_floor", "tokens_per_param"]
 
 # arXiv 2606.30634 as reported by secondary sources (DESIGN.md section 2): 360M models on FineWeb-Edu.
 # (sync, async with delay 1, async + EF); None where no number is reported.
@@ -74,6 +74,16 @@ def fmt_mean(values: Sequence[float], digits: int = 3) -> str:
 
 def fmt_pct(value: float) -> str:
     return "-" if not math.isfinite(value) else f"{round(100 * value) or 0} %"  # never "-0 %"
+
+
+def tokens_per_param(record: dict[str, Any]) -> str:
+    """``D / N (D / N_non-embedding)`` of a run record: training tokens per trainable parameter, and per
+    parameter outside the embedding and head; ``-`` for a record written before the counts were kept."""
+    if "params" not in record:
+        return "-"
+    t = record["config"]["train"]
+    tokens = t["steps"] * t["batch_size"] * t["seq_len"]
+    return f"{tokens / record['params']:.3g} ({tokens / record['params_non_embedding']:.3g})"
 
 
 def markdown_table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:

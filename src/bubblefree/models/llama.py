@@ -216,10 +216,15 @@ class Transformer(nn.Module):
         for m in self.moe_layers():
             m.aux_loss_scale = scale
 
-    def num_params(self, *, active: bool = False) -> int:
+    def num_params(self, *, active: bool = False, embedding: bool = True) -> int:
         """Parameters (a tied weight counted once); ``active=True`` counts only what one token uses, i.e.
-        ``top_k`` routed experts per MoE layer instead of all of them."""
+        ``top_k`` routed experts per MoE layer instead of all of them; ``embedding=False`` leaves out the
+        vocabulary matrices (the embedding and an untied head), the "non-embedding" count of scaling laws."""
         total = sum(p.numel() for p in self.parameters())
+        if not embedding:
+            total -= self.embed.weight.numel()
+            if self.lm_head.weight is not self.embed.weight:
+                total -= self.lm_head.weight.numel()
         if active:
             for m in self.moe_layers():
                 total -= sum(p.numel() for p in m.parameters()) - m.active_params()

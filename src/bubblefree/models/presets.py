@@ -1,5 +1,6 @@
 """Named model sizes. Each preset is a function returning ``ModelArgs``; its name carries its total parameter
-count (checked within 10 % by the tests; the CPU presets at the default BPE vocabulary of 8192).
+count (checked within 10 % by the tests at the preset's own vocabulary: the default BPE vocabulary of 8192 for
+the CPU presets, 256 for the ``byte-*`` presets of the long-horizon scale).
 
 - ``llama-1m`` / ``llama-5m`` / ``llama-20m``: CPU-sized dense models for the default corpus. Untied heads:
   at this size the embedding holds most of the parameters, and an untied head let the prototype of
@@ -30,6 +31,9 @@ DEFAULT_VOCAB = 8192
 
 SMOLLM2_VOCAB = 49152
 """SmolLM2's tokenizer size; the large presets are sized at it."""
+
+BYTE_VOCAB = 256
+"""The byte tokenizer's size; the ``byte-*`` presets of the long-horizon scale are sized at it."""
 
 
 def llama_1m(vocab_size: int = DEFAULT_VOCAB) -> ModelArgs:
@@ -79,15 +83,23 @@ def moe_10b(vocab_size: int = SMOLLM2_VOCAB) -> ModelArgs:
     )  # fmt: skip
 
 
-def _deep(dim: int, heads: int, hidden: int) -> Callable[..., ModelArgs]:
-    def args(vocab_size: int = DEFAULT_VOCAB) -> ModelArgs:
-        return ModelArgs(vocab_size=vocab_size, dim=dim, n_layers=32, n_heads=heads, n_kv_heads=heads,
+def byte_0_5m(vocab_size: int = BYTE_VOCAB) -> ModelArgs:
+    """The long-horizon scale's model (``experiments.scales``): 0.47M parameters at the byte vocabulary, 90 %
+    of them outside the embedding and head. Every hidden dimension (96, 240) stays below the vocabulary, so
+    SOAP can leave the vocabulary dimension alone and precondition the rest, as in the paper's regime."""
+    return ModelArgs(vocab_size=vocab_size, dim=96, n_layers=4, n_heads=4, n_kv_heads=4, mlp_hidden=240)
+
+
+def _deep(dim: int, heads: int, hidden: int, *, n_layers: int = 32,
+          vocab: int = DEFAULT_VOCAB) -> Callable[..., ModelArgs]:
+    def args(vocab_size: int = vocab) -> ModelArgs:
+        return ModelArgs(vocab_size=vocab_size, dim=dim, n_layers=n_layers, n_heads=heads, n_kv_heads=heads,
                          mlp_hidden=hidden)
     return args
 
 
-def _small_moe(dim: int, hidden: int) -> Callable[..., ModelArgs]:
-    def args(vocab_size: int = DEFAULT_VOCAB) -> ModelArgs:
+def _small_moe(dim: int, hidden: int, *, vocab: int = DEFAULT_VOCAB) -> Callable[..., ModelArgs]:
+    def args(vocab_size: int = vocab) -> ModelArgs:
         return ModelArgs(vocab_size=vocab_size, dim=dim, n_layers=4, n_heads=4, n_kv_heads=2, mlp_hidden=hidden,
                          n_experts=8, top_k=2, n_shared_experts=1, expert_hidden=hidden)
     return args
@@ -109,6 +121,10 @@ PRESETS: dict[str, Callable[..., ModelArgs]] = {
     "deep-30m": _deep(256, 4, 768),
     "moe-1m": _small_moe(40, 88),
     "moe-6m": _small_moe(128, 256),
+    # The long-horizon scale: models small enough to train to 20-40 tokens per parameter on one CPU core.
+    "byte-0.5m": byte_0_5m,
+    "byte-deep-0.5m": _deep(48, 2, 128, n_layers=16, vocab=BYTE_VOCAB),
+    "byte-moe-0.5m": _small_moe(64, 64, vocab=BYTE_VOCAB),
 }
 """Preset name -> ``ModelArgs`` factory taking an optional ``vocab_size``."""
 

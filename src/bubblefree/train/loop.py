@@ -132,11 +132,12 @@ def _resume_state(config: Config, out_dir: Path, resume: bool | str | Path) -> d
 
 
 def _build(config: Config, out_dir: Path, resume: bool | str | Path,
-           barrier: SetupBarrier | None) -> tuple[Executor, dict[str, Any] | None, int, str]:
+           barrier: SetupBarrier | None) -> tuple[Executor, dict[str, Any] | None, dict[str, int], str]:
     """Validate, load data, build the model and executor and restore the checkpoint; write nothing.
 
     Every process of a distributed run reads the checkpoint file itself (so a multi-node resume needs the run
-    folder on a shared filesystem). Returns ``(executor, checkpoint or None, parameter count, data source)``.
+    folder on a shared filesystem). Returns ``(executor, checkpoint or None, parameter counts, data source)``, the
+    counts as ``{"params": all trainable, "params_non_embedding": without the vocabulary matrices}``.
     """
     from bubblefree.data import load_tokens
     from bubblefree.models import build_model
@@ -165,7 +166,8 @@ def _build(config: Config, out_dir: Path, resume: bool | str | Path,
     if ckpt is not None:
         executor.load_state_dict(ckpt["executor"])
         restore_rng(ckpt["rng"])
-    return executor, ckpt, sum(p.numel() for p in model.parameters()), data.source
+    counts = {"params": model.num_params(), "params_non_embedding": model.num_params(embedding=False)}
+    return executor, ckpt, counts, data.source
 
 
 def _diverged(step: int, stats: Any, out_dir: Path) -> TrainingDiverged:
@@ -202,7 +204,7 @@ def _run(config: Config, out_dir: Path, resume: bool | str | Path,
          barrier: SetupBarrier | None) -> dict[str, Any]:
     cfg = config.train
     try:
-        executor, ckpt, n_params, source = _build(config, out_dir, resume, barrier)
+        executor, ckpt, counts, source = _build(config, out_dir, resume, barrier)
     except UserError:
         raise
     except ValueError as e:
@@ -215,7 +217,7 @@ def _run(config: Config, out_dir: Path, resume: bool | str | Path,
         out_dir.mkdir(parents=True, exist_ok=True)
         _write_atomic(out_dir / CONFIG_FILE, dump_toml(config))
         print(f"bubblefree: {'resuming' if resume else 'training'} {config.model.preset} "
-              f"({n_params / 1e6:.2f}M parameters) on {source}, "
+              f"({counts['params'] / 1e6:.2f}M parameters) on {source}, "
               f"step {start}/{cfg.steps}; outputs in {out_dir}", flush=True)
         metrics = MetricsWriter(out_dir, tensorboard=config.log.tensorboard, resume_step=start if resume else None)
     bar = progress_bar(total=cfg.steps, initial=start, enabled=writer and config.log.progress)
@@ -279,7 +281,7 @@ def _run(config: Config, out_dir: Path, resume: bool | str | Path,
     trained = cfg.steps - start
     summary = {"steps": cfg.steps, "tokens": cfg.steps * tokens_per_step, "final_val_loss": val_loss,
                "tokens_per_s": trained * tokens_per_step / train_time if train_time else 0.0,
-               "out_dir": str(out_dir)}
+               "out_dir": str(out_dir), **counts}
     print(f"bubblefree: done. final validation loss {val_loss:.4f}, {summary['tokens_per_s']:.0f} tokens/s; "
           f"outputs in {out_dir} (config.toml, metrics.jsonl, loss.png, checkpoints/)", flush=True)
     return summary
