@@ -198,3 +198,13 @@ def test_raising_rank_ends_the_run_with_its_cause(tmp_path, monkeypatch):
     monkeypatch.setenv("BUBBLEFREE_FAULT", "1:2:raise")
     with pytest.raises(PipelineFailure, match="rank 1 failed: RuntimeError: injected fault at step 2"):
         launch_local(config, tmp_path / "run", 2)
+
+
+def test_backend_is_nccl_on_one_gpu_per_local_rank_and_gloo_on_cpu():
+    from bubblefree.distributed.mesh import backend_for
+    from bubblefree.errors import UserError
+
+    assert backend_for("cpu", local_rank=3, cuda_devices=0) == ("gloo", torch.device("cpu"))
+    assert backend_for("cuda", local_rank=3, cuda_devices=8) == ("nccl", torch.device("cuda", 3))
+    with pytest.raises(UserError, match="local rank 1 has no GPU of its own .1 visible.; NCCL needs one GPU per rank"):
+        backend_for("cuda", local_rank=1, cuda_devices=1)

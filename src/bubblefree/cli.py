@@ -3,7 +3,7 @@
     bubblefree train [--preset NAME] [--config FILE.toml] [--set KEY=VALUE ...] [--out DIR]
                      [--resume DIR | --resume DIR/checkpoints/step_NNNNNNNN.pt]
     bubblefree simulate --stages P --microbatches M --schedules a,b,... [--costs F:B:W[:U]] [--steps T] [--out DIR]
-    bubblefree bench {train,optim,delay,pipeline,time-to-loss} [--out DIR]
+    bubblefree bench {train,optim,delay,pipeline,time-to-loss,device} [--out DIR] [--tiny]
     bubblefree reproduce SUITE [--scale smoke|cpu|long|gpu] [--out DIR] [--seeds N] [--optimizers A,B,...]
 
 Exit codes: 0 success; 2 invalid input (one line on stderr naming the problem, nothing written or
@@ -27,7 +27,7 @@ from bubblefree.errors import UserError
 
 __all__ = ["build_parser", "exit_code", "main"]
 
-BENCHMARKS = ("train", "optim", "delay", "pipeline", "time-to-loss")
+BENCHMARKS = ("train", "optim", "delay", "pipeline", "time-to-loss", "device")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="run a benchmark and print a side-by-side table")
     bench.add_argument("name", choices=BENCHMARKS)
     bench.add_argument("--out", metavar="DIR", help="also write the results here")
+    bench.add_argument("--tiny", action="store_true",
+                       help="device only: run the accelerator check on the CPU with tiny sizes")
 
     reproduce = commands.add_parser(
         "reproduce", help="run one of the paper's experiments: runs, a table beside the paper's, plots",
@@ -154,6 +156,13 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.tiny and args.name != "device":
+        raise UserError(f"Invalid --tiny: only 'bench device' takes it, not 'bench {args.name}'")
+    if args.name == "device":  # exit 1 when a part failed, after writing every part's record
+        from bubblefree.bench.device import run as device_check
+
+        parts = device_check(args.out, tiny=args.tiny)["parts"].values()
+        return 0 if all(p["status"] == "ok" for p in parts) else 1
     try:
         module = importlib.import_module(f"bubblefree.bench.{args.name.replace('-', '_')}")
     except ModuleNotFoundError as e:

@@ -88,19 +88,26 @@ def _state_bytes_per_param(opt: torch.optim.Optimizer, n_params: int) -> float:
     return total / n_params
 
 
-def run(out: Path | None = None, *, steps: int = 12, warmup: int = 3, threads: int = 2) -> dict:
+def run(out: Path | None = None, *, steps: int = 12, warmup: int = 3, threads: int = 2,
+        devices: tuple[str, ...] | None = None, matrix_shapes: list[tuple[int, ...]] = MATRIX_SHAPES,
+        vector_shapes: list[tuple[int, ...]] = VECTOR_SHAPES, names: tuple[str, ...] | None = None) -> dict:
     """Time every pair on CPU (and CUDA if available), print the tables, write ``optim.json`` under ``out``.
 
-    ``threads``: CPU threads (2, the CI size; 1 avoids OpenMP stalls when the machine is oversubscribed)."""
-    devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
+    ``threads``: CPU threads (2, the CI size; 1 avoids OpenMP stalls when the machine is oversubscribed).
+    ``devices`` (e.g. ``("cuda",)``) replaces the default list; the shapes replace the ~10M-parameter set;
+    ``names`` keeps only those rows of the table."""
+    devices = [torch.device(d) for d in devices] if devices else (
+        [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else []))
     saved_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
-    results: dict = {"shapes": MATRIX_SHAPES + VECTOR_SHAPES, "steps": steps, "threads": threads, "devices": {}}
+    results: dict = {"shapes": matrix_shapes + vector_shapes, "steps": steps, "threads": threads, "devices": {}}
     try:
         for device in devices:
             rows = []
             for name, (ours_f, ref_f, label) in _pairs(device).items():
-                shapes = MATRIX_SHAPES if name == "muon" else MATRIX_SHAPES + VECTOR_SHAPES
+                if names is not None and name not in names:
+                    continue
+                shapes = matrix_shapes if name == "muon" else matrix_shapes + vector_shapes
                 gen = torch.Generator(device=device).manual_seed(0)
                 sets = [[nn.Parameter(torch.randn(s, device=device, generator=gen) * 0.02) for s in shapes]
                         for _ in range(2)]

@@ -69,13 +69,21 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _step_fn(model: torch.nn.Module, tokens: torch.Tensor, *, device: str, autocast: bool) -> Callable[[], float]:
-    """One timed training step of ``model`` (ours returns logits, HF an output object with ``.logits``)."""
+def _step_fn(model: torch.nn.Module, tokens: torch.Tensor, *, device: str, autocast: bool,
+             peaks: list[int] | None = None) -> Callable[[], float]:
+    """One timed training step of ``model`` (ours returns logits, HF an output object with ``.logits``). On
+    CUDA each step appends to ``peaks`` the most memory it held above what was allocated before it (the
+    activations, gradients and optimizer temporaries: the weights and optimizer states of both models stay
+    resident throughout and are left out)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)  # fastest path on CPU and CUDA, both models
     x, y = tokens[:, :-1], tokens[:, 1:]
+    cuda = device.startswith("cuda")
 
     def step() -> float:
         _sync(device)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
         start = time.perf_counter()
         ctx = torch.autocast(device.split(":")[0], dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
         with ctx:
@@ -85,36 +93,51 @@ def _step_fn(model: torch.nn.Module, tokens: torch.Tensor, *, device: str, autoc
         opt.step()
         opt.zero_grad(set_to_none=True)
         _sync(device)
-        return time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        if cuda and peaks is not None:
+            peaks.append(torch.cuda.max_memory_allocated() - before)
+        return elapsed
 
     return step
 
 
 def _compare(preset: str, *, batch: int, seq_len: int, steps: int, warmup: int, device: str, autocast: bool,
-             peak: float) -> dict:
+             peak: float, compile_backend: str | None = None) -> dict:
+    """One row: ours and HF alternating step by step; ``compile_backend`` (e.g. ``inductor``) wraps both
+    models in ``torch.compile`` first (the first warmup step, which compiles, is reported apart)."""
     torch.manual_seed(0)
     ours = build_model(preset, device=device)
     theirs = to_hf_llama(ours).to(device)
     tokens = torch.randint(0, ours.args.vocab_size, (batch, seq_len + 1), generator=torch.Generator().manual_seed(0))
     tokens = tokens.to(device)
-    steps_fns = {"ours": _step_fn(ours, tokens, device=device, autocast=autocast),
-                 "hf": _step_fn(theirs, tokens, device=device, autocast=autocast)}
+    models = {"ours": ours, "hf": theirs}
+    if compile_backend is not None:
+        models = {k: torch.compile(m, backend=compile_backend) for k, m in models.items()}
+    peaks: dict[str, list[int]] = {k: [] for k in models}
+    steps_fns = {k: _step_fn(m, tokens, device=device, autocast=autocast, peaks=peaks[k]) for k, m in models.items()}
     times: dict[str, list[float]] = {k: [] for k in steps_fns}
+    first: dict[str, float] = {}
     for i in range(warmup + steps):  # interleaved: ours, HF, ours, HF, ...
         for name, fn in steps_fns.items():
             t = fn()
+            first.setdefault(name, t)
             if i >= warmup:
                 times[name].append(t)
     tokens_per_step = batch * seq_len
     fpt = flops_per_token(ours, seq_len)
     row = {"preset": preset, "device": device, "dtype": "bf16-autocast" if autocast else "fp32",
-           "params": ours.num_params(), "batch": batch, "seq_len": seq_len, "steps": steps,
-           "flops_per_token": fpt, "peak_flops": peak}
+           "compile": f"torch.compile ({compile_backend})" if compile_backend else "eager", "params": ours.num_params(), "batch": batch,
+           "seq_len": seq_len, "steps": steps, "flops_per_token": fpt, "peak_flops": peak}
     for name, ts in times.items():
         median = statistics.median(ts)
         row[f"{name}_step_s"] = median
+        row[f"{name}_first_step_s"] = first[name]
         row[f"{name}_tokens_per_s"] = tokens_per_step / median
         row[f"{name}_mfu"] = fpt * tokens_per_step / median / peak
+        if peaks[name]:
+            row[f"{name}_step_peak_bytes"] = max(peaks[name])
+    if device.startswith("cuda"):
+        row["resident_bytes"] = torch.cuda.memory_allocated()  # both models' weights and AdamW states
     row["ratio"] = row["ours_tokens_per_s"] / row["hf_tokens_per_s"]
     return row
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["Mesh", "agree", "init_backend", "init_mesh", "rank_coords"]
+__all__ = ["Mesh", "agree", "backend_for", "init_backend", "init_mesh", "rank_coords"]
 
 
 def rank_coords(rank: int, *, stages: int) -> tuple[int, int]:
@@ -59,14 +59,28 @@ class Mesh:
         return self.replica * self.stages + stage
 
 
+def backend_for(device_type: str, *, local_rank: int, cuda_devices: int) -> tuple[str, torch.device]:
+    """The process group backend and this rank's device: ``nccl`` on ``cuda:LOCAL_RANK`` for ``device_type =
+    "cuda"``, else ``gloo`` on the CPU. NCCL needs a GPU of its own for every rank of a node (two ranks on one
+    GPU fail inside NCCL, at the first collective), so a local rank without one is invalid input."""
+    if device_type != "cuda":
+        return "gloo", torch.device("cpu")
+    if local_rank >= cuda_devices:
+        from bubblefree.errors import UserError
+
+        raise UserError(f"Invalid launch: local rank {local_rank} has no GPU of its own ({cuda_devices} visible); "
+                        f"NCCL needs one GPU per rank: start at most {cuda_devices} processes per node, or run the "
+                        f"stages on the CPU (train.device=cpu, gloo) or in one process (pipeline.runtime=sim)")
+    return "nccl", torch.device("cuda", local_rank)
+
+
 def init_backend(*, timeout_s: float, device_type: str = "cpu") -> torch.device:
-    """Join the default process group (once) and return this rank's device: ``nccl`` on ``cuda:LOCAL_RANK``
-    for ``device_type = "cuda"``, else ``gloo`` on the CPU."""
-    if device_type == "cuda":
-        backend, device = "nccl", torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    """Join the default process group (once) and return this rank's device (:func:`backend_for`)."""
+    cuda_devices = torch.cuda.device_count() if device_type == "cuda" else 0
+    backend, device = backend_for(device_type, local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+                                  cuda_devices=cuda_devices)
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-    else:
-        backend, device = "gloo", torch.device("cpu")
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     return device

@@ -13,7 +13,13 @@ another one (a 32-layer narrow ``deep-*`` model for the depth-16 schedules, an M
   One thread per run: on a shared machine a second thread waiting for a busy core made steps many times
   slower (measured: 20 steps in 20 s on one thread, under 30 in 5 min on two).
 - ``gpu``: SmolLM2-135M's shapes (arXiv 2606.30634 trains 135M/360M) on the embedded corpus with an 8192 BPE
-  vocabulary, sequence 512, batch 32, 2000 steps (33M tokens), 3 seeds, a sweep extended up to 0.25x-4x.
+  vocabulary, sequence 512, batch 32, 600 steps (9.8M tokens, 0.09 per parameter: the cpu scale's 0.08),
+  3 seeds, a sweep extended up to 0.25x-4x. Sized, without a GPU to measure on, from the FLOP count:
+  0.77 GFLOP per token (``bench.train.flops_per_token``), 1.26e13 per step, 64 ms at an assumed 20 % MFU of
+  an H100/H200's 989 TFLOPS, plus about 25 ms of optimizer, delay and launch overhead: about 0.09 s per step,
+  a minute per run with setup and evaluation, so ``reproduce error-feedback --scale gpu --seeds 1
+  --optimizers muon`` (6-7 runs) fits a 10-minute window (docs/results.md). ``bubblefree bench device``
+  measures the step time of exactly this run.
 - ``long``: the paper's horizon, about 20 tokens per parameter counting every trainable parameter (the
   paper's 135M/360M runs are Chinchilla-style): ``byte-0.5m`` (0.47M parameters, 0.42M outside the embedding
   and head) on the byte tokenizer, 1200 steps of 32 x 256 tokens (9.8M tokens: 20.7 tokens per parameter,
@@ -94,8 +100,8 @@ def _cpu() -> Scale:
 
 def _gpu() -> Scale:
     base = apply_overrides(get_preset("sync-baseline"), {
-        **_QUIET, "model.preset": "smollm2-135m", "data.vocab_size": 8192, "train.steps": 2000,
-        "train.batch_size": 32, "train.seq_len": 512, "train.eval_every": 200, "train.eval_batches": 16,
+        **_QUIET, "model.preset": "smollm2-135m", "data.vocab_size": 8192, "train.steps": 600,
+        "train.batch_size": 32, "train.seq_len": 512, "train.eval_every": 100, "train.eval_batches": 16,
         "train.log_every": 20, "train.device": "cuda", "optim.max_precond_dim": 4096,
     })
     return Scale(name="gpu", base=base, seeds=3, lr_factors=(0.5, 1.0, 2.0), lr_extend=1, deep_model="deep-30m",
