@@ -100,6 +100,10 @@ def _optim(budget_s: float, tiny: bool, record: Callable[[dict], None]) -> dict:
 
 
 def _quality(budget_s: float, tiny: bool, record: Callable[[dict], None]) -> dict:
+    import gc
+
+    import torch
+
     from bubblefree.data.tokens import load_tokens
     from bubblefree.experiments.scales import get_scale
     from bubblefree.optim import OPTIMIZERS
@@ -126,13 +130,18 @@ def _quality(budget_s: float, tiny: bool, record: Callable[[dict], None]) -> dic
             config = apply_overrides(base, {**over, "optim.name": opt, "train.steps": steps})
             tic, run_dir = time.perf_counter(), Path(work) / f"{opt}-{name}-{steps}"
             summary = train(config, out_dir=run_dir)
+            last = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+            summary["last_window_tokens_per_s"] = last["tokens_per_s"]  # warmed up: no first-step start-up
             shutil.rmtree(run_dir)  # its final checkpoint: about 2 GB at 135M with Muon, EF ring and stash
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
             return summary, time.perf_counter() - tic
 
         # Calibration: the costliest of the six (2BW + EF keeps a stash and an EF ring) for a few steps.
         calib_steps = 4 if tiny else 30
         summary, wall = one("muon", "2bw+ef", runs[2][2], calib_steps)
-        s_per_step = base.train.batch_size * base.train.seq_len / summary["tokens_per_s"]
+        s_per_step = base.train.batch_size * base.train.seq_len / summary["last_window_tokens_per_s"]
         overhead = max(0.0, wall - calib_steps * s_per_step)  # model build, evaluation, final checkpoint
         left = budget_s - (time.perf_counter() - start) - 15.0  # the process's start-up and a margin
         steps = int((left / len(runs) - overhead) / s_per_step)
