@@ -77,7 +77,7 @@ _ORIGINAL_KEYS = frozenset(
     + [f"delay.{k}" for k in ("correction", "ef_beta", "taylor_lambda", "sync_start_steps", "sync_cooldown_steps")]
 )
 
-NEUTRAL: dict[str, Any] = {}
+NEUTRAL: dict[str, Any] = {"train.compile": False}
 """Every config key added after :data:`_ORIGINAL_KEYS`, with its *neutral* value: the value under which a run
 computes exactly what it computed before the key existed. A key at its neutral value is left out of the id, so
 adding a key never orphans finished results, while any other value (a change that affects training) gives a

@@ -110,12 +110,13 @@ def _gpu() -> Scale:
 
 def _long() -> Scale:
     # 20 tokens per parameter, the paper's horizon, on one core: the byte vocabulary keeps 90 % of the 0.47M
-    # parameters outside the embedding and head, and 32 x 256-token batches keep each kernel large enough
-    # that a step is matmul-bound, not launch-bound (eager and torch.compile ran within 10 % of each other).
+    # parameters outside the embedding and head; 32 x 256-token batches keep each matmul large enough that a
+    # step is compute-bound, and compiling the blocks fuses the elementwise work around them (faster per step,
+    # docs/throughput.md).
     base = apply_overrides(get_preset("sync-baseline"), {
         **_QUIET, "model.preset": "byte-0.5m", "data.tokenizer": "byte", "train.steps": 1200,
         "train.batch_size": 32, "train.seq_len": 256, "train.eval_every": 200, "train.eval_batches": 32,
-        "train.log_every": 20, "train.threads": 1, "optim.max_precond_dim": 255,
+        "train.log_every": 20, "train.threads": 1, "train.compile": True, "optim.max_precond_dim": 255,
     })
     return Scale(name="long", base=base, seeds=2, lr_factors=(0.5, 1.0, 2.0), lr_extend=2,
                  deep_model="byte-deep-0.5m", moe_model="byte-moe-0.5m", depths=(2, 8),

@@ -149,6 +149,12 @@ class TrainConfig:
     """CPU threads for torch's kernels; 0 keeps torch's default (one per core). Tiny models run fastest on one
     thread, and on a shared machine extra threads that wait for busy cores can make a step 100x slower."""
 
+    compile: bool = False
+    """Compile each dense transformer block with ``torch.compile`` (inductor; eager when false; MoE blocks
+    stay eager, their routing changes shapes every batch). Fuses the elementwise work around the matmuls
+    (RoPE, RMSNorm, SwiGLU); losses agree with eager to float32 rounding, not bit for bit. The first steps
+    pay the compilation. See docs/throughput.md."""
+
 
 @dataclass(kw_only=True)
 class PipelineConfig:

@@ -154,6 +154,8 @@ def _build(config: Config, out_dir: Path, resume: bool | str | Path,
         _seed_everything(config.train.seed)
         data = load_tokens(config.data)
         model = build_model(config.model.preset, vocab_size=config.model.vocab_size or data.vocab_size)
+        if config.train.compile:
+            model.compile_blocks()
     except Exception as e:  # reported through the barrier first, so that no other process waits for this one
         failure = e
     if barrier is not None:
