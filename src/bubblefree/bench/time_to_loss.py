@@ -11,6 +11,10 @@ delay would reach ``M / (M+P-1)``, and the goal is at most ``1.05 M / (M+P-1)``.
 known to the resolution of the evaluations.
 
     bubblefree bench time-to-loss --out DIR    # bench_time_to_loss.json, time_to_loss.png, run folders
+    python -m bubblefree.bench.time_to_loss --scale long --steps 1200 --eval-every 100 --out DIR
+
+``--scale long`` trains the long-horizon reproduction scale's base run (``byte-0.5m`` to 20 tokens per
+parameter at 1200 steps; docs/results.md) instead, at the learning rate its sweep chose.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import time
 from pathlib import Path
 
 from bubblefree.bench.pipeline import REAL_OVERRIDES, run_cases
-from bubblefree.train.config import load_config
+from bubblefree.train.config import Config, apply_overrides, load_config, parse_override, validate
 
 __all__ = ["RUNS", "first_reach", "run"]
 
@@ -55,17 +59,37 @@ def _plot(curves: dict[str, list[dict]], target: float, path: Path) -> Path:
     return path
 
 
-def run(out: Path | None = None, *, steps: int = 200, eval_every: int = 20, microbatches: int = 4) -> dict:
+def _long_base(steps: int, lr: float | None) -> Config:
+    """The ``long`` reproduction scale's base run (``byte-0.5m``, 32 x 256 tokens, compiled blocks) with Muon,
+    ``steps`` long, at ``lr`` (default: the rate the scale's sweep chose, if ``results/long`` holds it)."""
+    from bubblefree.experiments.scales import get_scale
+
+    if lr is None:
+        chosen = Path("results/long/error-feedback.json")
+        lr = json.loads(chosen.read_text())["lrs"].get("muon", 0.0) if chosen.exists() else 0.0
+    return apply_overrides(get_scale("long").base, {"optim.name": "muon", "optim.lr": lr, "train.steps": steps})
+
+
+def run(out: Path | None = None, *, steps: int = 200, eval_every: int = 20, microbatches: int = 4,
+        scale: str | None = None, lr: float | None = None) -> dict:
     """Train both runs, print the table, and write ``bench_time_to_loss.json`` and ``time_to_loss.png`` to
-    ``out`` (a temporary folder if None)."""
+    ``out`` (a temporary folder if None). ``scale="long"`` trains the long-horizon scale's base run instead
+    of the ``smoke`` preset with :data:`REAL_OVERRIDES` (``lr``: its learning rate, see :func:`_long_base`)."""
     if steps < 1 or eval_every < 1:
         raise ValueError(f"Invalid steps/eval_every: {steps}/{eval_every} (must be >= 1)")
+    if scale not in (None, "long"):
+        raise ValueError(f"Invalid scale: {scale!r} (expected 'long' or none)")
     root = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="bench_ttl-"))
     stamp, P = time.strftime("%Y%m%d-%H%M%S"), 2
-    common = [*REAL_OVERRIDES, "pipeline.runtime=distributed", f"pipeline.stages={P}",
-              f"pipeline.microbatches={microbatches}", f"train.steps={steps}", "train.eval_batches=8"]
-    cases = [{"config": load_config("smoke", None, common + overrides), "eval_every": eval_every,
-              "lr_schedule": True, "dir": str(root / "runs" / stamp / name)} for name, overrides in RUNS.items()]
+    pipeline = {"pipeline.runtime": "distributed", "pipeline.stages": P, "pipeline.microbatches": microbatches}
+    if scale == "long":
+        base = apply_overrides(_long_base(steps, lr), {**pipeline, "log.progress": False})
+    else:
+        base = load_config("smoke", None, [*REAL_OVERRIDES, f"train.steps={steps}", "train.eval_batches=8"])
+        base = apply_overrides(base, pipeline)
+    cases = [{"config": validate(apply_overrides(base, dict(parse_override(base, o) for o in overrides))),
+              "eval_every": eval_every, "lr_schedule": True, "dir": str(root / "runs" / stamp / name)}
+             for name, overrides in RUNS.items()]
     load = os.getloadavg()[0]
     run_cases(cases, P)
     curves = {name: json.loads((Path(c["dir"]) / "rank0.json").read_text())["evals"]
@@ -74,7 +98,8 @@ def run(out: Path | None = None, *, steps: int = 200, eval_every: int = 20, micr
     target, sync_s = sync[-1]["val_loss"], sync[-1]["train_s"]
     reach = first_reach(fast, target)
     goal = 1.05 * microbatches / (microbatches + P - 1)
-    result = {"command": "bubblefree bench time-to-loss", "preset": cases[0]["config"].model.preset,
+    result = {"command": "bubblefree bench time-to-loss" + (f" --scale {scale}" if scale else ""),
+              "preset": cases[0]["config"].model.preset, "lr": cases[0]["config"].optim.lr,
               "optimizer": cases[0]["config"].optim.name,
               "P": P, "M": microbatches, "steps": steps, "eval_every": eval_every, "load_before": load,
               "load_after": os.getloadavg()[0], "curves": curves, "target_val_loss": target, "sync_train_s": sync_s,
@@ -99,3 +124,17 @@ def run(out: Path | None = None, *, steps: int = 200, eval_every: int = 20, micr
         (root / "bench_time_to_loss.json").write_text(json.dumps(result, indent=1) + "\n")
         print(f"wrote {root / 'bench_time_to_loss.json'}, {result['picture']}")
     return result
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--scale", choices=("long",), default=None)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--eval-every", type=int, default=20)
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--lr", type=float, default=None)
+    a = parser.parse_args()
+    run(a.out, steps=a.steps, eval_every=a.eval_every, microbatches=a.microbatches, scale=a.scale, lr=a.lr)

@@ -23,7 +23,7 @@ another one (a 32-layer narrow ``deep-*`` model for the depth-16 schedules, an M
 - ``long``: the paper's horizon, about 20 tokens per parameter counting every trainable parameter (the
   paper's 135M/360M runs are Chinchilla-style): ``byte-0.5m`` (0.47M parameters, 0.42M outside the embedding
   and head) on the byte tokenizer, 1200 steps of 32 x 256 tokens (9.8M tokens: 20.7 tokens per parameter,
-  23 per non-embedding parameter; 1.4 passes over the 7.2M-byte training split), 2 seeds, the cpu scale's
+  23 per non-embedding parameter; 1.3 passes over the 7.7M-byte training split), 2 seeds, the cpu scale's
   sweep. The ``horizon`` suite trains it to 0.05x-2x that length (1 to 41 tokens per parameter); a 16-layer
   model of the same size for the depth-2 and depth-8 schedules, a 0.5M MoE. docs/results.md has the time per run.
 - SOAP preconditions every dimension up to ``optim.max_precond_dim``, below the vocabulary and above every
