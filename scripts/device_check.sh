@@ -11,10 +11,10 @@
 # are (the CUDA build of torch above all); a missing one is installed with pip only when an index can be
 # reached. Exit code: bubblefree's (0 every part passed, 1 a part failed, 2 no usable CUDA device).
 set -u
-cd "$(dirname "$0")/.."
 out="${1:-runs/device-check}"
+mkdir -p "$out" && out="$(cd "$out" && pwd)" || exit 2   # absolute: the script moves to the repository root
+cd "$(dirname "$0")/.."
 py="${PYTHON:-python3}"
-mkdir -p "$out"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export BUBBLEFREE_CACHE="${BUBBLEFREE_CACHE:-/tmp/bubblefree-cache}"    # writable anywhere; the BPE is built once
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
