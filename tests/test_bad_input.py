@@ -50,8 +50,13 @@ def places(tmp_path_factory) -> dict[str, Path]:
     shutil.copytree(run, damaged)
     newest = damaged / "checkpoints" / "step_00000006.pt"
     newest.write_bytes(newest.read_bytes()[:1000])
+    bare = root / "bare"  # truncated, and without the manifest that would have said so
+    shutil.copytree(damaged, bare)
+    (bare / "checkpoints" / "step_00000006.json").unlink()
     (root / "bad.toml").write_text("[train\nsteps = \n")
-    return {"RUN": run, "DAMAGED": damaged, "NEW": root / "new", "BADTOML": root / "bad.toml"}
+    (root / "short.txt").write_text("A text file far shorter than one sequence of the smoke preset.\n" * 3)
+    return {"RUN": run, "DAMAGED": damaged, "BARE": bare, "NEW": root / "new", "BADTOML": root / "bad.toml",
+            "SHORT": root / "short.txt"}
 
 
 def _digest(root: Path) -> dict[str, str]:
@@ -71,7 +76,7 @@ def _run(argv: list[str]) -> tuple[int, str]:
 
 
 def _substitute(text: str, places: dict[str, Path]) -> str:
-    return re.sub(r"\b(RUN|DAMAGED|NEW|BADTOML)\b", lambda m: str(places[m.group(1)]), text)
+    return re.sub(r"\b(RUN|DAMAGED|BARE|NEW|BADTOML|SHORT)\b", lambda m: str(places[m.group(1)]), text)
 
 
 def _check_refused(argv: list[str], places: dict[str, Path], code: int = 2) -> str:

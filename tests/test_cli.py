@@ -16,7 +16,7 @@ import pytest
 
 from bubblefree.cli import main
 from bubblefree.data import load_tokens
-from bubblefree.train.config import DataConfig, config_from_dict, read_toml
+from bubblefree.train.config import DataConfig, config_diff, config_from_dict, read_toml
 from bubblefree.train.metrics import read_metrics
 from bubblefree.train.presets import smoke
 from bubblefree.train.sim import SimExecutor
@@ -53,7 +53,11 @@ def test_smoke_run_writes_every_output_and_learns(smoke_run):
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr
     assert str(out) in proc.stdout and "final validation loss" in proc.stdout
-    assert config_from_dict(read_toml(out / "config.toml")) == smoke()  # the fully resolved config
+    # config.toml says what ran: the defaults the run took, as values (the registry's, the tokenizer's).
+    written = config_from_dict(read_toml(out / "config.toml"))
+    assert config_diff(smoke(), written) == {
+        "model.vocab_size": (0, 256), "optim.lr": (0.0, 0.02), "optim.momentum": (-1.0, 0.95),
+        "optim.adamw_lr": (0.0, 0.003), "train.device": ("auto", "cpu"), "train.dtype": ("auto", "float32")}
     records = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(5, 41, 5))
     val = [r["val_loss"] for r in records if "val_loss" in r]
@@ -61,6 +65,22 @@ def test_smoke_run_writes_every_output_and_learns(smoke_run):
     assert val[1] < math.log(256) - 1.5  # well below a uniform guess over bytes
     assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (out / "checkpoints" / "step_00000040.pt").is_file()
+
+
+def test_a_saved_config_trains_again_to_the_same_losses(smoke_run, tmp_path, capsys):
+    out, _ = smoke_run
+    again = tmp_path / "again"
+    assert main(["train", "--config", str(out / "config.toml"), "--out", str(again)]) == 0
+    first, second = read_metrics(out / "metrics.jsonl"), read_metrics(again / "metrics.jsonl")
+    assert [(r["loss"], r.get("val_loss")) for r in second] == [(r["loss"], r.get("val_loss")) for r in first]
+    assert (again / "config.toml").read_text() == (out / "config.toml").read_text()
+
+
+def test_no_terminal_gets_plain_progress_lines(smoke_run):
+    _, proc = smoke_run  # stderr is a pipe: a log file, nohup
+    assert [line.split(":")[0] for line in proc.stdout.splitlines() if line.startswith("step ")] == \
+        [f"step {n}/40" for n in range(5, 41, 5)]
+    assert "llama-1m at vocabulary 256 (0.17M parameters)" in proc.stdout
 
 
 def test_help_lists_the_commands(capsys):

@@ -137,6 +137,61 @@ def test_distributed_sigkill_of_the_launcher_then_resume_matches(tmp_path):
             assert key not in w or abs(g[key] - w[key]) <= RTOL * abs(w[key]), (key, g, w)
 
 
+_TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+             "-m", "bubblefree.distributed"]
+
+
+@pytest.mark.parametrize("launcher", ["local", "torchrun"])
+def test_sigint_stops_every_rank_after_one_step_with_one_hint_then_resume(tmp_path, launcher):
+    """SIGINT to the launcher (ours, or torchrun's agent) of a run started in the background (SIGINT ignored,
+    as a shell's ``&`` leaves it): every rank stops after the same step, that step is checkpointed, one line
+    says where and how to continue, no rank is left; ``--resume`` (under torchrun every rank reads the run's
+    own config.toml) finishes the run."""
+    out = tmp_path / "run"
+    start = [sys.executable, "-m", "bubblefree", "train"] if launcher == "local" else _TORCHRUN
+    overrides = [*TINY, "pipeline.stages=2", "train.ckpt_every=0", "train.eval_every=0"]
+    proc = subprocess.Popen([*start, "--preset", "smoke", *_sets([*overrides, "train.steps=2000"]),
+                             *(["--set", "pipeline.runtime=distributed"] if launcher == "local" else []),
+                             "--out", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        deadline = time.monotonic() + 120
+        while _steps_logged(out) < 3 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+        deadline = time.monotonic() + 30
+        while _group_alive(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _group_alive(proc.pid), "ranks outlived the stop"
+    finally:
+        if _group_alive(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+    if launcher == "local":
+        assert proc.returncode == 130 and "Traceback" not in err, err
+    hints = [line for line in err.splitlines() if "bubblefree: interrupted;" in line]
+    assert len(hints) == 1 and f"continue with --resume {out}" in hints[0], err
+    (stopped, _), = list_checkpoints(out)
+    assert 3 <= stopped < 2000 and _steps_logged(out) == stopped  # the last step logged is the one kept
+
+    resume = [sys.executable, "-m", "bubblefree", "train"] if launcher == "local" else _TORCHRUN
+    done = subprocess.run([*resume, "--resume", str(out), "--set", f"train.steps={stopped + 2}"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "resuming" in done.stdout, done.stderr
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == list(range(1, stopped + 3))
+
+
+def test_torchrun_user_error_is_one_line(tmp_path):
+    """A refused resume under torchrun: the ranks agree, the node's first process says it once."""
+    out = tmp_path / "run"
+    train(load_config("smoke", None, [*TINY, "train.steps=2"]), out_dir=out)
+    proc = subprocess.run([*_TORCHRUN, "--resume", str(out), "--set", "train.seed=4"], capture_output=True,
+                          text=True, timeout=300)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("bubblefree: error:")]
+    assert proc.returncode != 0 and len(lines) == 1, proc.stderr
+    assert "differs from the checkpoint's in train.seed: 0 -> 4" in lines[0]
+
+
 # Checkpoint manifests -------------------------------------------------------------------------------------
 
 @pytest.fixture
@@ -188,7 +243,7 @@ def test_resume_lists_every_key_that_differs(finished_run, capsys):
     assert main(["train", "--resume", str(finished_run), "--set", "train.seed=1", "--set", "optim.lr=0.01",
                  "--set", "train.steps=12"]) == 2
     err = capsys.readouterr().err
-    assert "optim.lr: 0.0 -> 0.01" in err and "train.seed: 0 -> 1" in err and "train.steps" not in err
+    assert "optim.lr: 0.02 -> 0.01" in err and "train.seed: 0 -> 1" in err and "train.steps" not in err
 
 
 # Non-finite losses --------------------------------------------------------------------------------------

@@ -5,11 +5,13 @@
     bubblefree simulate --stages P --microbatches M --schedules a,b,... [--costs F:B:W[:U]] [--steps T] [--out DIR]
     bubblefree bench {train,optim,delay,pipeline,time-to-loss,device} [--out DIR] [--tiny]
     bubblefree reproduce SUITE [--scale smoke|cpu|long|gpu] [--out DIR] [--seeds N] [--optimizers A,B,...]
+                         [--config FILE.toml] [--set KEY=VALUE ...]
+    bubblefree export RUN_OR_CHECKPOINT --format hf --out DIR
 
 Exit codes: 0 success; 2 invalid input (one line on stderr naming the problem, nothing written or
 overwritten); 1 an internal failure (with its traceback); 3 training diverged (a non-finite loss or gradient
 norm, one line naming the step and the last good checkpoint); 130 interrupted (after a checkpoint when one
-could be taken). docs/reliability.md lists the bad-input cases and their messages.
+could be taken; SIGTERM alike). docs/reliability.md lists the bad-input cases and their messages.
 """
 
 from __future__ import annotations
@@ -25,9 +27,18 @@ from pathlib import Path
 from bubblefree import __version__
 from bubblefree.errors import UserError
 
-__all__ = ["build_parser", "exit_code", "main"]
+__all__ = ["BENCHMARKS", "build_parser", "exit_code", "main", "run_dir", "train_config"]
 
-BENCHMARKS = ("train", "optim", "delay", "pipeline", "time-to-loss", "device")
+BENCHMARKS = {
+    "train": "tokens/s of our model against Hugging Face's LlamaForCausalLM of the same shape, and MFU",
+    "optim": "optimizer step time against each optimizer's reference implementation, state memory",
+    "delay": "memory and step time that delay and Error Feedback add to a bare optimizer step",
+    "pipeline": "the distributed runtime's throughput (GPipe, 1F1B, 2BW) against the schedule simulator",
+    "time-to-loss": "wall-clock for 2BW + Error Feedback to reach synchronous 1F1B's final validation loss",
+    "device": "the accelerator check: parity against float64, ours against HF eager and compiled, "
+              "optimizers on CUDA, sync/2BW/EF quality (GPU; --tiny on the CPU)",
+}
+"""Benchmark name -> what it measures (docs/throughput.md and the modules of ``bubblefree.bench``)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     train = commands.add_parser(
-        "train", help="train a model (bare: the paper's recipe on the embedded corpus, a few minutes on CPU)",
+        "train", help="train a model (bare: the paper's recipe on the embedded corpus, about 2 minutes on 2 idle "
+                      "CPU cores; --preset smoke: under 30 s)",
         description="Train a model. Configuration precedence: preset < --config < --set.")
     train.add_argument("--preset", metavar="NAME", help="run preset (default: demo); see docs/training.md")
     train.add_argument("--config", metavar="FILE.toml", help="TOML file with [section] tables of keys")
@@ -63,8 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--steps", type=int, default=8, metavar="T", help="optimizer steps (default 8)")
     simulate.add_argument("--out", metavar="DIR", help="write timeline.png and simulate.json here")
 
-    bench = commands.add_parser("bench", help="run a benchmark and print a side-by-side table")
-    bench.add_argument("name", choices=BENCHMARKS)
+    bench = commands.add_parser(
+        "bench", help="run a benchmark and print a side-by-side table",
+        description="Run a benchmark and print a side-by-side table (docs/throughput.md).",
+        epilog="benchmarks:\n" + "\n".join(f"  {name:<13} {what}" for name, what in BENCHMARKS.items()),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench.add_argument("name", choices=tuple(BENCHMARKS), metavar="NAME", help=", ".join(BENCHMARKS))
     bench.add_argument("--out", metavar="DIR", help="also write the results here")
     bench.add_argument("--tiny", action="store_true",
                        help="device only: run the accelerator check on the CPU with tiny sizes")
@@ -83,26 +99,42 @@ def build_parser() -> argparse.ArgumentParser:
     reproduce.add_argument("--optimizers", metavar="A,B,...", help="only these of the suite's optimizers")
     reproduce.add_argument("--jobs", type=int, metavar="N",
                            help="runs at once, one process each (default: one per core; 1 at --scale gpu)")
+    reproduce.add_argument("--config", metavar="FILE.toml", help="keys that change the scale's base run, "
+                                                                 "as [section] tables (your data, model, ...)")
+    reproduce.add_argument("--set", metavar="KEY=VALUE", action="append", default=[], dest="overrides",
+                           help="change one key of the scale's base run, e.g. --set data.source=my.txt "
+                                "(repeatable; after --config); docs/results.md")
+
+    export = commands.add_parser(
+        "export", help="write a trained model as a Hugging Face folder (transformers loads it offline)",
+        description="Export a run's newest checkpoint (or one checkpoint file) for other tools (docs/export.md).")
+    export.add_argument("source", metavar="RUN_OR_CHECKPOINT", help="a run folder or RUN/checkpoints/step_N.pt")
+    export.add_argument("--format", choices=("hf",), default="hf",
+                        help="hf: LLaMA config, safetensors weights, fast tokenizer (needs bubblefree[hf])")
+    export.add_argument("--out", metavar="DIR", required=True, help="new folder to write (must not exist)")
     return parser
 
 
-def _train_config(args: argparse.Namespace):
+def train_config(preset: str | None, config_file: str | None, overrides: list[str], resume: str | None):
+    """The Config of a ``train`` command line: preset < ``--config`` < ``--set``, or with ``resume`` the run's
+    own config.toml < ``--set`` (a preset or config file is refused then). Shared by ``bubblefree train`` and
+    every rank under torchrun (``python -m bubblefree.distributed``)."""
     from bubblefree.train.config import (apply_overrides, config_from_dict, load_config, parse_override,
                                          read_toml, validate)
 
-    if args.resume is None:
-        return load_config(args.preset, args.config, args.overrides)
-    if args.preset is not None or args.config is not None:
+    if resume is None:
+        return load_config(preset, config_file, overrides)
+    if preset is not None or config_file is not None:
         raise UserError("Invalid --resume: the run's own config.toml is used; only --set may change "
                         "(for example) train.steps")
-    saved = _run_dir(args.resume) / "config.toml"
+    saved = run_dir(resume) / "config.toml"
     if not saved.is_file():
-        raise UserError(f"Invalid --resume: {args.resume} holds no run (no config.toml)")
+        raise UserError(f"Invalid --resume: {resume} holds no run (no config.toml)")
     config = config_from_dict(read_toml(saved), origin=str(saved))
-    return validate(apply_overrides(config, dict(parse_override(config, text) for text in args.overrides)))
+    return validate(apply_overrides(config, dict(parse_override(config, text) for text in overrides)))
 
 
-def _run_dir(resume: str) -> Path:
+def run_dir(resume: str) -> Path:
     """The run folder of ``--resume``: the folder itself, or the run holding the checkpoint file it names."""
     from bubblefree.train.checkpoint import CHECKPOINT_DIR
 
@@ -117,10 +149,10 @@ def _run_dir(resume: str) -> Path:
 def _train(args: argparse.Namespace) -> int:
     from bubblefree.train.loop import check_fresh_out_dir, train
 
-    config = _train_config(args)
+    config = train_config(args.preset, args.config, args.overrides, args.resume)
     resume: bool | Path = args.resume is not None
     if resume:
-        out_dir = _run_dir(args.resume)
+        out_dir = run_dir(args.resume)
         if args.out is not None and Path(args.out).resolve() != out_dir.resolve():
             raise UserError(f"Invalid --out: {args.out} (a resumed run writes to its own folder {out_dir})")
         if Path(args.resume).suffix == ".pt":
@@ -173,6 +205,15 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    from bubblefree.export import export_hf
+
+    out = export_hf(args.source, args.out)
+    print(f"bubblefree: exported {args.source} to {out} (transformers: AutoModelForCausalLM.from_pretrained"
+          f"({str(out)!r}), AutoTokenizer.from_pretrained({str(out)!r}))")
+    return 0
+
+
 def _reproduce(args: argparse.Namespace) -> int:
     from bubblefree.experiments import reproduce
 
@@ -183,10 +224,11 @@ def _reproduce(args: argparse.Namespace) -> int:
     optimizers = tuple(o for o in args.optimizers.split(",") if o) if args.optimizers else None
     command = " ".join(["bubblefree reproduce", args.suite, "--scale", args.scale]
                        + [f"--{k} {v}" for k, v in (("out", args.out), ("seeds", args.seeds),
-                                                   ("optimizers", args.optimizers), ("jobs", args.jobs))
-                          if v is not None])
+                                                   ("optimizers", args.optimizers), ("jobs", args.jobs),
+                                                   ("config", args.config)) if v is not None]
+                       + [f"--set {text}" for text in args.overrides])
     result = reproduce(args.suite, scale=args.scale, out=args.out, seeds=args.seeds, optimizers=optimizers,
-                       command=command, jobs=args.jobs)
+                       command=command, jobs=args.jobs, config_file=args.config, overrides=args.overrides)
     print(f"bubblefree: {args.suite}: table {result['table']}; plots "
           f"{', '.join(str(p) for p in result['plots']) or 'none'}; chosen learning rates "
           f"{', '.join(f'{o} {lr:g}' for o, lr in result['lrs'].items())}")
@@ -197,8 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run the command line; return the exit code (the console script exits with it)."""
     args = build_parser().parse_args(argv)
     try:
-        return {"train": _train, "simulate": _simulate, "bench": _bench,
-                "reproduce": _reproduce}[args.command](args)
+        return {"train": _train, "simulate": _simulate, "bench": _bench, "reproduce": _reproduce,
+                "export": _export}[args.command](args)
     except (Exception, KeyboardInterrupt) as e:
         return exit_code(e)
 
@@ -210,8 +252,9 @@ def exit_code(e: BaseException) -> int:
     if isinstance(e, UserError):
         print(f"bubblefree: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
-    if isinstance(e, KeyboardInterrupt):
-        print("bubblefree: interrupted", file=sys.stderr)
+    if isinstance(e, KeyboardInterrupt):  # a stopped run's message says where its checkpoint is
+        if str(e) or type(e) is KeyboardInterrupt:  # the other ranks of a distributed run stop silently
+            print(f"bubblefree: {str(e) or 'interrupted'}", file=sys.stderr)
         return 130
     from bubblefree.train.loop import TrainingDiverged  # here: only a failure pays for importing torch
 

@@ -134,7 +134,7 @@ def run_worker(config: Config, *, out_dir: str | Path, resume: bool | str | Path
 
     from bubblefree.distributed.executor import DEFAULT_TIMEOUT_S
     from bubblefree.distributed.mesh import init_backend
-    from bubblefree.train.loop import train
+    from bubblefree.train.loop import Interrupted, train
 
     out_dir = Path(out_dir)
     rank = int(os.environ["RANK"])
@@ -149,6 +149,10 @@ def run_worker(config: Config, *, out_dir: str | Path, resume: bool | str | Path
         train(config, out_dir=out_dir, resume=resume, barrier=_agree)
         if dist.is_initialized():
             dist.destroy_process_group()
+    except Interrupted:  # every rank stopped at the same step after a checkpoint: not a failure to report
+        if dist.is_initialized():
+            dist.destroy_process_group()  # a clean stop, so the process may exit normally (no exit_at_once)
+        raise
     except BaseException as exc:
         _write_error(out_dir, rank, exc)
         raise  # the entry point leaves with exit_at_once, without tearing the process group down
@@ -182,8 +186,12 @@ def _spawned(index: int, config: Config, out_dir: str, nprocs: int, port: int, r
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(index), LOCAL_RANK=str(index),
                       WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs))
     torch.set_num_threads(threads)
+    from bubblefree.train.loop import Interrupted
+
     try:
         run_worker(config, out_dir=out_dir, resume=resume)
+    except Interrupted:  # the launcher says where the checkpoint is; a normal exit releases what spawn shared
+        sys.exit(130)
     except BaseException:  # recorded by run_worker; launch_local reads the record, not this exit code
         exit_at_once(1)
 
@@ -206,10 +214,22 @@ def launch_local(config: Config, out_dir: str | Path, nprocs: int | None = None,
     # join() logs a warning for every process it terminates after a failure; the failure raised below names
     # the rank and cause in one line, which a user error must be alone in saying.
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
+    signals = {"count": 0}
+
+    def forward(signum, frame):
+        # The ranks stop together at a step boundary (bubblefree.distributed.stop); a second signal ends them now.
+        signals["count"] += 1
+        for process in ctx.processes:
+            if process.is_alive():
+                os.kill(process.pid, signal.SIGTERM if signals["count"] == 1 else signal.SIGKILL)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         while not ctx.join(timeout=1.0):
             pass
     except ProcessException as exc:  # join() has already terminated the other processes
+        if signals["count"] or (isinstance(exc, ProcessExitedException) and exc.exit_code == 130):
+            raise _interrupted(out_dir) from None
         own_errors = [r for r in read_errors(out_dir) if r["peer"] is None]
         if _user_error(out_dir):
             message = _user_error(out_dir)
@@ -228,3 +248,15 @@ def launch_local(config: Config, out_dir: str | Path, nprocs: int | None = None,
         else:
             cause = root_cause(out_dir) or str(exc).strip().splitlines()[-1]
         raise PipelineFailure(cause) from None
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _interrupted(out_dir: Path) -> BaseException:
+    from bubblefree.train.checkpoint import latest_checkpoint
+    from bubblefree.train.loop import Interrupted
+
+    newest = latest_checkpoint(out_dir)
+    where = f"checkpoint {newest}" if newest else "no checkpoint was written yet"
+    return Interrupted(f"interrupted; {where}; continue with --resume {out_dir}")

@@ -10,6 +10,7 @@ and suites sharing runs (``optimizers`` and ``error-feedback``) share their resu
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -21,11 +22,14 @@ import torch
 from bubblefree.errors import UserError
 from bubblefree.experiments.plots import draw
 from bubblefree.experiments.runner import commit, machine, pending, run_all
-from bubblefree.experiments.scales import get_scale
+from bubblefree.experiments.scales import Scale, get_scale
 from bubblefree.experiments.suites import choose_lrs, get_suite, sweep_extension, sweep_runs, sweep_table
 from bubblefree.optim import OPTIMIZERS
+from bubblefree.train.config import (apply_overrides, config_diff, config_from_dict, parse_override, read_toml,
+                                     validate)
+from bubblefree.train.loop import check_lengths
 
-__all__ = ["default_jobs", "reproduce"]
+__all__ = ["default_jobs", "reproduce", "with_base_overrides"]
 
 _DEFINITIONS = (
     "Final validation loss (nats/token), mean ± sample std over seeds. *gap* = mean(async) - mean(sync); "
@@ -41,17 +45,23 @@ def default_jobs(scale: str) -> int:
 
 def reproduce(suite: str, *, scale: str = "cpu", out: str | Path | None = None, seeds: int | None = None,
               optimizers: tuple[str, ...] | None = None, progress: bool = True,
-              command: str = "", jobs: int | None = None) -> dict[str, Any]:
+              command: str = "", jobs: int | None = None, config_file: str | Path | None = None,
+              overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
     """Run ``suite`` at ``scale`` into ``out`` (default ``results/<scale>``); return paths and the chosen rates.
 
     ``seeds`` replaces the scale's seed count; ``optimizers`` restricts the suite to a subset of its own;
     ``command`` is recorded in the table (the CLI passes its command line); ``jobs`` runs that many runs at
-    once (default :func:`default_jobs`).
-    Raises UserError (a ValueError) for an unknown suite, scale or optimizer, or ``gpu`` without a GPU.
+    once (default :func:`default_jobs`). ``config_file`` (TOML ``[section]`` tables) then ``overrides``
+    (``section.key=value``) change the scale's base run, so the study runs on the user's data, model, length
+    ...; every run of the suite is built from that base as usual, the changed keys enter each run's id with
+    its config, and the table lists them.
+    Raises UserError (a ValueError) for an unknown suite, scale or optimizer, an invalid key or value (before
+    any run starts), or ``gpu`` without a GPU.
     """
     if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
         raise UserError(f"Invalid jobs: {jobs!r} (must be an integer >= 1)")
     spec, sc = get_suite(suite), get_scale(scale, seeds=seeds)
+    sc, changed = with_base_overrides(sc, config_file, overrides)
     jobs = jobs or default_jobs(sc.name)
     commit()  # record the commit of the code this process imported, before the tree can move on
     chosen = spec.optimizers if optimizers is None else tuple(optimizers)
@@ -87,14 +97,33 @@ def reproduce(suite: str, *, scale: str = "cpu", out: str | Path | None = None, 
     plots = draw(rows, spec.plots, out, title=title)
     table_path = out / f"{suite}.md"
     command = command or f"reproduce({suite!r}, scale={sc.name!r})"
-    table_path.write_text(_markdown(spec, sc, sweep_rows, rows, plots, elapsed, command), encoding="utf-8")
+    table_path.write_text(_markdown(spec, sc, sweep_rows, rows, plots, elapsed, command, changed),
+                          encoding="utf-8")
     (out / f"{suite}.json").write_text(json.dumps({"suite": suite, "scale": sc.name, "lrs": lrs,
                                                    "runs": sorted({r["id"] for r in rows + sweep_rows})},
                                                   indent=1) + "\n", encoding="utf-8")
     return {"table": table_path, "plots": plots, "lrs": lrs, "rows": rows, "sweep": sweep_rows}
 
 
-def _markdown(spec, scale, sweep_rows, rows, plots, elapsed: float, command: str) -> str:
+def with_base_overrides(sc: Scale, config_file: str | Path | None,
+                        overrides: list[str] | tuple[str, ...]) -> tuple[Scale, dict[str, tuple[Any, Any]]]:
+    """``sc`` with its base run changed by ``config_file`` then ``overrides``, validated as a training run's
+    config is (with the data file checked to exist), and ``{key: (scale's value, new value)}`` of the change."""
+    if config_file is None and not overrides:
+        return sc, {}
+    base = sc.base
+    if config_file is not None:
+        base = config_from_dict(read_toml(config_file), base=base, origin=f"config file {config_file}")
+    base = validate(apply_overrides(base, dict(parse_override(base, text) for text in overrides)))
+    check_lengths(base)
+    source = base.data.source
+    if source != "embedded" and not source.startswith("hf:") and not Path(source).expanduser().exists():
+        raise UserError(f"Data path not found: {source}")
+    return dataclasses.replace(sc, base=base), config_diff(sc.base, base)
+
+
+def _markdown(spec, scale, sweep_rows, rows, plots, elapsed: float, command: str,
+              changed: dict[str, tuple[Any, Any]]) -> str:
     base = scale.base
     run_time = sum(r["wall_time_s"] for r in {r["id"]: r for r in rows + sweep_rows}.values())
     commits = sorted({r["commit"] for r in rows + sweep_rows})
@@ -106,6 +135,9 @@ def _markdown(spec, scale, sweep_rows, rows, plots, elapsed: float, command: str
         (f"Scale `{scale.name}`: model {models}, {base.train.steps} steps of {base.train.batch_size} x "
          f"{base.train.seq_len} tokens (the base run), pipeline depth {depths} (simulated), "
          f"{scale.seeds} seed(s) (sync baselines at least 2)."),
+        *([f"Base run changed by the command line: "
+           f"{', '.join(f'`{k}` {a!r} -> {b!r}' for k, (a, b) in changed.items())} (every run below is built "
+           f"on it; the changed keys are part of each run's id)."] if changed else []),
         (f"Command: `{command}`; "
          f"commit(s) of the runs: {', '.join(commits)}; this table written at commit {commit()} on {machine()}."),
         (f"Compute: {run_time / 60:.1f} min of runs in total ({len({r['id'] for r in rows + sweep_rows})} runs), "

@@ -181,18 +181,19 @@ def load_checkpoint(path: str | Path, *, map_location: str | torch.device = "cpu
 
     path = Path(path)
     manifest = verify_checkpoint(path)
+    try:
+        payload = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:  # torch reports a torn or foreign file with several exception types (OSError, ...)
+        why = "has no manifest and " if manifest is None else ""
+        raise _damaged(path, f"{why}cannot be read: it is truncated or not a checkpoint "
+                             f"({type(e).__name__})") from None
+    if not isinstance(payload, dict) or payload.get("format") != 1:
+        raise UserError(f"Invalid checkpoint: {path} is not a bubblefree checkpoint")
     if manifest is None:
-        print(f"bubblefree: warning: {path} has no manifest ({manifest_path(path).name}); loading it unverified",
+        print(f"bubblefree: warning: {path} has no manifest ({manifest_path(path).name}); loaded it unverified",
               file=sys.stderr, flush=True)
     elif (manifest.get("bubblefree"), manifest.get("torch")) != (__version__, torch.__version__):
         print(f"bubblefree: warning: {path} was written by bubblefree {manifest.get('bubblefree')} with torch "
               f"{manifest.get('torch')}, this is {__version__} with {torch.__version__}: the resumed steps may "
               f"differ in the last bits from those the original versions would compute", file=sys.stderr, flush=True)
-    try:
-        payload = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as e:  # torch reports a torn or foreign file with several exception types
-        raise _damaged(path, f"cannot be read ({type(e).__name__}: "
-                             f"{str(e).splitlines()[0] if str(e) else 'damaged'})") from None
-    if not isinstance(payload, dict) or payload.get("format") != 1:
-        raise UserError(f"Invalid checkpoint: {path} is not a bubblefree checkpoint")
     return payload

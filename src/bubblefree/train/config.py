@@ -128,8 +128,9 @@ class TrainConfig:
     log_every: int = 10
     """Write one metrics line every N steps."""
 
-    ckpt_every: int = 0
-    """Checkpoint every N steps (0: only at the end)."""
+    ckpt_every: int = 50
+    """Checkpoint every N steps (0: only at the end). The demo's 300 steps take 2 minutes on 2 idle cores and
+    can take an hour on a busy machine: a crash then loses at most 50 steps."""
 
     ckpt_keep: int = 2
     """Keep the newest N checkpoints of the run; older ones are deleted after a new one is safely written."""
@@ -146,8 +147,9 @@ class TrainConfig:
     simulation only). See docs/reliability.md."""
 
     threads: int = 0
-    """CPU threads for torch's kernels; 0 keeps torch's default (one per core). Tiny models run fastest on one
-    thread, and on a shared machine extra threads that wait for busy cores can make a step 100x slower."""
+    """CPU threads for torch's kernels; 0 keeps torch's default (one per core). Importing bubblefree sets
+    ``OMP_WAIT_POLICY=PASSIVE`` (unless set), so idle threads sleep instead of spinning for busy cores: on a
+    loaded machine that made the demo 3-7x faster (docs/training.md, "Threads")."""
 
     compile: bool = False
     """Compile each dense transformer block with ``torch.compile`` (inductor; eager when false; MoE blocks

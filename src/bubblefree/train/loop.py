@@ -28,11 +28,13 @@ from bubblefree.errors import UserError
 from bubblefree.optim.schedule import lr_scale
 from bubblefree.train.checkpoint import (CHECKPOINT_DIR, latest_checkpoint, load_checkpoint, restore_rng,
                                          save_checkpoint)
-from bubblefree.train.config import Config, config_diff, config_from_dict, config_to_dict, dump_toml, validate
+from bubblefree.train.config import (Config, apply_overrides, config_diff, config_from_dict, config_to_dict, dump_toml,
+                                     validate)
 from bubblefree.train.executor import Executor
 from bubblefree.train.metrics import METRICS_FILE, MetricsWriter, plot_losses, progress_bar, tensorboard_writer
 
-__all__ = ["RESUMABLE_KEYS", "SetupBarrier", "TrainingDiverged", "check_fresh_out_dir", "make_executor", "train"]
+__all__ = ["RESUMABLE_KEYS", "Interrupted", "SetupBarrier", "TrainingDiverged", "check_fresh_out_dir", "make_executor",
+           "check_lengths", "resolved", "train"]
 
 # Keys a resumed run may change: they decide what is logged, kept or how long the run is, not the trajectory
 # of the steps already taken (a longer ``train.steps`` stretches the cosine over the new length from here on).
@@ -86,27 +88,40 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-@contextlib.contextmanager
-def _deferred_interrupt(enabled: bool):
-    """Turn the first Ctrl-C into a flag checked between steps, so a checkpoint is taken at a step boundary.
+class Interrupted(KeyboardInterrupt):
+    """The run stopped at a step boundary on SIGINT or SIGTERM, after a checkpoint; the message (the writer's
+    only) says where the checkpoint is and how to continue. The CLI exits 130."""
 
-    Only for one process: the ranks of a distributed run would see the signal at different steps and could
-    not agree on where to stop without a collective every step, so there Ctrl-C ends the run at once (the
-    periodic checkpoints remain)."""
+
+@contextlib.contextmanager
+def _deferred_signals(distributed: bool):
+    """Turn SIGINT and SIGTERM into a flag checked between steps, so the run stops at a step boundary with a
+    checkpoint. Installed even where the shell set SIGINT to be ignored (a run started in the background).
+
+    One process: a second signal interrupts at once. A rank of a distributed run gets the same signal from
+    several senders (the terminal, the launcher, torchrun's agent): every one only sets the flag; the launcher
+    and the agent kill the ranks if they must stop at once."""
     flag = {"hit": False}
-    if not enabled or not _is_main_thread():
+    if not _is_main_thread():
         yield flag
         return
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
 
     def handler(signum, frame):
         flag["hit"] = True
-        signal.signal(signal.SIGINT, previous)  # a second Ctrl-C interrupts at once
+        if not distributed:  # a second signal acts at once
+            for sig, old in previous.items():
+                if old in (signal.SIG_IGN, None):
+                    old = signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
+                signal.signal(sig, old)
 
-    previous = signal.signal(signal.SIGINT, handler)
+    for sig in previous:
+        signal.signal(sig, handler)
     try:
         yield flag
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, old in previous.items():
+            signal.signal(sig, old if old is not None else signal.SIG_DFL)
 
 
 def _is_main_thread() -> bool:
@@ -115,13 +130,64 @@ def _is_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
-def _resume_state(config: Config, out_dir: Path, resume: bool | str | Path) -> dict[str, Any]:
+def resolved(config: Config, vocab_size: int) -> Config:
+    """``config`` with every "take the default" value replaced by the value the run uses: ``optim.lr = 0``,
+    ``optim.momentum < 0``, ``optim.adamw_lr = 0`` (Muon, MARS) and ``optim.max_precond_dim = 0`` (SOAP) by the
+    optimizer's defaults, ``model.vocab_size = 0`` by the tokenizer's ``vocab_size``, ``train.device`` and
+    ``train.dtype = "auto"`` by what auto picks here. It is what config.toml and checkpoints record: the
+    defaults are applied exactly as the optimizer's own defaults are, so the resolved config trains to the same
+    losses bit for bit. The Config a caller passes is not changed (run ids hash the caller's form)."""
+    import inspect
+
+    from bubblefree.optim import OPTIMIZERS
+    from bubblefree.optim.soap import SOAP
+    from bubblefree.train.sim import resolve_device
+
+    o = config.optim
+    spec = OPTIMIZERS[o.name]
+    device = resolve_device(config.train.device).type
+    values: dict[str, Any] = {
+        "model.vocab_size": config.model.vocab_size or vocab_size,
+        "optim.lr": o.lr if o.lr > 0 else spec.lr,
+        "optim.momentum": o.momentum if o.momentum >= 0 else spec.momentum,
+        "train.device": device,
+        "train.dtype": config.train.dtype if config.train.dtype != "auto" else
+        ("bfloat16" if device == "cuda" else "float32"),
+    }
+    if spec.route_key is not None and o.adamw_lr <= 0:
+        values["optim.adamw_lr"] = spec.adamw_lr
+    if spec.cls is SOAP and o.max_precond_dim <= 0:
+        values["optim.max_precond_dim"] = inspect.signature(SOAP).parameters["max_precond_dim"].default
+    return apply_overrides(config, values)
+
+
+def check_lengths(config: Config, data: Any = None) -> None:
+    """Invalid input the config alone does not show: a sequence longer than the model takes, and (with
+    ``data``) a split shorter than one sequence. Found here, before the run folder exists, not at step 1."""
+    from bubblefree.models.presets import PRESETS as MODEL_PRESETS
+
+    seq_len = config.train.seq_len
+    longest = MODEL_PRESETS[config.model.preset]().max_seq_len
+    if seq_len > longest:
+        raise UserError(f"Invalid train.seq_len: {seq_len} (model {config.model.preset} takes at most "
+                        f"{longest} tokens per sequence)")
+    for split in ("train", "val") if data is not None else ():
+        n = len(getattr(data, split))
+        if n < seq_len + 1:
+            raise UserError(f"Invalid data: the {split} split of {data.source} has {n} tokens, a sequence of "
+                            f"train.seq_len = {seq_len} needs {seq_len + 1} (use more text or a smaller "
+                            f"train.seq_len)")
+
+
+def _resume_state(config: Config, out_dir: Path, resume: bool | str | Path, vocab_size: int) -> dict[str, Any]:
     path = latest_checkpoint(out_dir) if resume is True else Path(resume)
     if path is None:
         raise UserError(f"Invalid --resume: {out_dir} holds no checkpoint")
     ckpt = load_checkpoint(path)
     saved = config_from_dict(ckpt["config"], origin=f"checkpoint {path}")
-    differ = {k: v for k, v in config_diff(saved, config).items() if k not in RESUMABLE_KEYS}
+    # Compared resolved: a run folder written before config.toml held resolved values resumes too.
+    differ = {k: v for k, v in config_diff(resolved(saved, vocab_size), resolved(config, vocab_size)).items()
+              if k not in RESUMABLE_KEYS}
     if differ:
         listed = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in differ.items())
         raise UserError(f"Invalid --resume: the config differs from the checkpoint's in {listed}")
@@ -132,11 +198,11 @@ def _resume_state(config: Config, out_dir: Path, resume: bool | str | Path) -> d
 
 
 def _build(config: Config, out_dir: Path, resume: bool | str | Path,
-           barrier: SetupBarrier | None) -> tuple[Executor, dict[str, Any] | None, dict[str, int], str]:
+           barrier: SetupBarrier | None) -> tuple[Executor, dict[str, Any] | None, dict[str, int], Any]:
     """Validate, load data, build the model and executor and restore the checkpoint; write nothing.
 
     Every process of a distributed run reads the checkpoint file itself (so a multi-node resume needs the run
-    folder on a shared filesystem). Returns ``(executor, checkpoint or None, parameter counts, data source)``, the
+    folder on a shared filesystem). Returns ``(executor, checkpoint or None, parameter counts, token data)``, the
     counts as ``{"params": all trainable, "params_non_embedding": without the vocabulary matrices}``.
     """
     from bubblefree.data import load_tokens
@@ -150,12 +216,14 @@ def _build(config: Config, out_dir: Path, resume: bool | str | Path,
                             "asynchronous pipeline update before the step's loss is known); use 'stop'")
         if config.log.tensorboard:
             tensorboard_writer()
-        ckpt = _resume_state(config, out_dir, resume) if resume else None
+        check_lengths(config)
         _seed_everything(config.train.seed)
         data = load_tokens(config.data)
+        check_lengths(config, data)
         model = build_model(config.model.preset, vocab_size=config.model.vocab_size or data.vocab_size)
         if config.train.compile:
             model.compile_blocks()
+        ckpt = _resume_state(config, out_dir, resume, data.vocab_size) if resume else None
     except Exception as e:  # reported through the barrier first, so that no other process waits for this one
         failure = e
     if barrier is not None:
@@ -169,7 +237,18 @@ def _build(config: Config, out_dir: Path, resume: bool | str | Path,
         executor.load_state_dict(ckpt["executor"])
         restore_rng(ckpt["rng"])
     counts = {"params": model.num_params(), "params_non_embedding": model.num_params(embedding=False)}
-    return executor, ckpt, counts, data.source
+    return executor, ckpt, counts, data
+
+
+def _model_name(config: Config, counts: dict[str, int], data: Any) -> str:
+    """The banner's model: the preset's name counts its parameters at its own vocabulary, so a run at another
+    vocabulary (the smoke preset's 256 bytes) says so beside the count it trains."""
+    from bubblefree.models.presets import PRESETS as MODEL_PRESETS
+
+    vocab = config.model.vocab_size or data.vocab_size
+    own = MODEL_PRESETS[config.model.preset]().vocab_size
+    at = "" if vocab == own else f" at vocabulary {vocab}"
+    return f"{config.model.preset}{at} ({counts['params'] / 1e6:.2f}M parameters)"
 
 
 def _diverged(step: int, stats: Any, out_dir: Path) -> TrainingDiverged:
@@ -206,27 +285,33 @@ def _run(config: Config, out_dir: Path, resume: bool | str | Path,
          barrier: SetupBarrier | None) -> dict[str, Any]:
     cfg = config.train
     try:
-        executor, ckpt, counts, source = _build(config, out_dir, resume, barrier)
+        executor, ckpt, counts, data = _build(config, out_dir, resume, barrier)
     except UserError:
         raise
     except ValueError as e:
         raise UserError(str(e)) from e
     start = ckpt["step"] if ckpt else 0
     skipped = ckpt.get("loop", {}).get("skipped", 0) if ckpt else 0
+    saved = config_to_dict(resolved(config, data.vocab_size))  # what config.toml and checkpoints record
 
     writer = executor.is_writer  # every call on executor below is made by every process; only this one writes
     if writer:
         out_dir.mkdir(parents=True, exist_ok=True)
-        _write_atomic(out_dir / CONFIG_FILE, dump_toml(config))
-        print(f"bubblefree: {'resuming' if resume else 'training'} {config.model.preset} "
-              f"({counts['params'] / 1e6:.2f}M parameters) on {source}, "
-              f"step {start}/{cfg.steps}; outputs in {out_dir}", flush=True)
+        _write_atomic(out_dir / CONFIG_FILE, dump_toml(config_from_dict(saved)))
+        print(f"bubblefree: {'resuming' if resume else 'training'} {_model_name(config, counts, data)} on "
+              f"{data.source}, step {start}/{cfg.steps}; outputs in {out_dir}", flush=True)
         metrics = MetricsWriter(out_dir, tensorboard=config.log.tensorboard, resume_step=start if resume else None)
     bar = progress_bar(total=cfg.steps, initial=start, enabled=writer and config.log.progress)
+    plain = writer and config.log.progress and bar.disable  # no terminal (a log file, nohup): plain lines
     tokens_per_step = cfg.batch_size * cfg.seq_len
     val_loss, train_time, window_time, window_tokens, tokens_per_s = float("nan"), 0.0, 0.0, 0, 0.0
+    distributed = config.pipeline.runtime == "distributed"
+    if distributed:
+        from bubblefree.distributed.stop import StopAgreement
 
-    with _deferred_interrupt(enabled=config.pipeline.runtime == "sim") as interrupt:
+        agreement = StopAgreement(config.pipeline.stages)
+
+    with _deferred_signals(distributed) as signalled:
         for step in range(start, cfg.steps):
             tic = time.perf_counter()
             stats = executor.train_step(step, lr_scale(step, cfg.steps, warmup_frac=cfg.warmup_frac,
@@ -259,20 +344,28 @@ def _run(config: Config, out_dir: Path, resume: bool | str | Path,
                     record["val_loss"] = val_loss
                     bar.write(f"step {done}/{cfg.steps}: train loss {stats.loss:.4f}, validation loss "
                               f"{val_loss:.4f}, {tokens_per_s:.0f} tokens/s")
+                elif plain:
+                    print(f"step {done}/{cfg.steps}: train loss {stats.loss:.4f}, {tokens_per_s:.0f} tokens/s",
+                          flush=True)
                 metrics.log(record)
                 bar.set_postfix(loss=f"{stats.loss:.3f}", tok_s=f"{tokens_per_s:.0f}")
             bar.update(1)
-            if last or (cfg.ckpt_every > 0 and done % cfg.ckpt_every == 0) or interrupt["hit"]:
+            stop = agreement.should_stop(done, signalled["hit"]) if distributed else signalled["hit"]
+            if last or (cfg.ckpt_every > 0 and done % cfg.ckpt_every == 0) or stop:
                 state = executor.state_dict()
                 if writer:
-                    save_checkpoint(out_dir, step=done, executor_state=state, config=config_to_dict(config),
+                    save_checkpoint(out_dir, step=done, executor_state=state, config=saved,
                                     keep=cfg.ckpt_keep, loop_state={"skipped": skipped})
-            if interrupt["hit"] and not last:
+            if stop and not last:
                 bar.close()
+                executor.close()
+                if distributed:
+                    agreement.finished()  # the writer's checkpoint is on disk before any rank exits
+                if not writer:
+                    raise Interrupted()
                 metrics.close()
-                print(f"\nbubblefree: interrupted; checkpoint at step {done} in {out_dir}; continue with "
-                      f"bubblefree train --resume {out_dir}", flush=True)
-                raise KeyboardInterrupt
+                raise Interrupted(f"interrupted; checkpoint at step {done} in {out_dir}; continue with "
+                                  f"--resume {out_dir}")
     bar.close()
     executor.close()
     if not writer:

@@ -1,0 +1,128 @@
+"""``bubblefree export RUN_OR_CHECKPOINT --format hf --out DIR``: a trained model for the Hugging Face stack.
+
+The folder holds ``config.json`` (a ``LlamaConfig``), ``model.safetensors`` (float32), the tokenizer as a
+fast tokenizer (``tokenizer.json`` and its configs) and ``bubblefree.toml`` (the run's config), so ``transformers.AutoModelForCausalLM.from_pretrained(DIR)``
+and ``AutoTokenizer.from_pretrained(DIR)`` load it offline, and tools built on them (lm-evaluation-harness,
+vLLM) take it as a LLaMA model. The weights are mapped by :func:`bubblefree.models.llama.to_hf_llama`, the
+same mapping the model tests compare logits through.
+
+Tokenizers: the byte-level BPE is its own ``tokenizers`` JSON; the byte tokenizer (token ``i`` is byte ``i``)
+becomes a ``tokenizers`` BPE over the 256 byte symbols with no merges, which encodes and decodes every text
+exactly as ``ByteTokenizer`` does. Neither adds special tokens (the runs train on raw streams without them).
+
+Dense models only: the MoE presets (routed experts plus an ungated shared expert, first block dense) match no
+Hugging Face architecture exactly (Mixtral has no shared expert, Qwen2-MoE gates it, DeepSeek-V2/V3 use
+latent attention), and an export that computes something else would be worse than none.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+from bubblefree.errors import UserError
+
+__all__ = ["byte_tokenizer", "export_hf", "load_run_model"]
+
+
+def _checkpoint_path(source: str | Path) -> Path:
+    from bubblefree.cli import run_dir
+    from bubblefree.train.checkpoint import latest_checkpoint
+
+    path = Path(source)
+    if path.suffix == ".pt":
+        run_dir(str(path))  # the form RUN/checkpoints/step_N.pt, or a one-line error
+        return path
+    if not (path / "config.toml").is_file():
+        raise UserError(f"Invalid export source: {source} is neither a run folder nor a checkpoint file")
+    newest = latest_checkpoint(path)
+    if newest is None:
+        raise UserError(f"Invalid export source: {source} holds no checkpoint")
+    return newest
+
+
+def load_run_model(source: str | Path) -> tuple[Any, Any, Any]:
+    """``(model, tokenizer, config)`` of a run's newest checkpoint, or of checkpoint file ``source``."""
+    from bubblefree.data import load_tokens
+    from bubblefree.models import build_model
+    from bubblefree.train.checkpoint import load_checkpoint
+    from bubblefree.train.config import config_from_dict
+
+    path = _checkpoint_path(source)
+    ckpt = load_checkpoint(path)
+    config = config_from_dict(ckpt["config"], origin=f"checkpoint {path}")
+    data = load_tokens(config.data)
+    model = build_model(config.model.preset, vocab_size=config.model.vocab_size or data.vocab_size)
+    state = ckpt["executor"]
+    if state.get("runtime") == "distributed":  # stage modules hold the whole model's names (models.split)
+        weights = {k: v for stage in state["stages"] for k, v in stage["module"].items()}
+    else:
+        weights = state["model"]
+    model.load_state_dict(weights)
+    return model.eval(), data.tokenizer, config
+
+
+def byte_tokenizer():
+    """A ``tokenizers.Tokenizer`` whose token ``i`` is byte ``i``, like ``ByteTokenizer`` (module docstring)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()  # GPT-2's printable stand-ins for the 256 bytes
+    to_char = {b: c for c, b in _byte_chars().items()}
+    assert sorted(alphabet) == sorted(to_char.values())
+    tok = Tokenizer(models.BPE(vocab={to_char[b]: b for b in range(256)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _byte_chars() -> dict[str, int]:
+    """GPT-2's byte-to-unicode table, inverted: the character ``tokenizers``' ByteLevel shows for each byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+def export_hf(source: str | Path, out: str | Path) -> Path:
+    """Write ``source``'s model and tokenizer to the new folder ``out`` (module docstring); return ``out``."""
+    try:
+        import transformers
+    except ImportError:
+        raise UserError("Invalid export: --format hf needs transformers: pip install 'bubblefree[hf]'") from None
+    from bubblefree.data.tokenizer import BPETokenizer, ByteTokenizer
+    from bubblefree.models.llama import to_hf_llama
+    from bubblefree.train.config import dump_toml
+
+    out = Path(out)
+    if out.exists():
+        raise UserError(f"Invalid --out: {out} already exists (export writes a new folder)")
+    model, tokenizer, config = load_run_model(source)
+    if model.args.n_experts:
+        raise UserError(f"Invalid export: {config.model.preset} is a mixture of experts with an ungated shared "
+                        f"expert, which no Hugging Face architecture computes exactly (Mixtral has no shared "
+                        f"expert, Qwen2-MoE gates it, DeepSeek-V2/V3 use latent attention); only dense models "
+                        f"are exported")
+    if isinstance(tokenizer, BPETokenizer):
+        backend = tokenizer.tokenizer
+    elif isinstance(tokenizer, ByteTokenizer):
+        backend = byte_tokenizer()
+    else:
+        raise UserError(f"Invalid export: {config.data.source} is pre-tokenized shards without their tokenizer")
+    hf = to_hf_llama(model)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, clean_up_tokenization_spaces=False)
+    tmp = out.with_name(f".{out.name}.tmp")  # written whole, then renamed: no half-written folder under DIR
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        hf.save_pretrained(tmp, safe_serialization=True)
+        fast.save_pretrained(tmp)
+        (tmp / "bubblefree.toml").write_text(dump_toml(config), encoding="utf-8")  # the run that made it
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
