@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = commands.add_parser(
         "train", help="train a model (bare: the paper's recipe on the embedded corpus, about 2 minutes on 2 idle "
-                      "CPU cores; --preset smoke: under 30 s)",
+                      "CPU cores, 12.5 at load 11-14; --preset smoke: 4-11 s)",
         description="Train a model. Configuration precedence: preset < --config < --set.")
     train.add_argument("--preset", metavar="NAME", help="run preset (default: demo); see docs/training.md")
     train.add_argument("--config", metavar="FILE.toml", help="TOML file with [section] tables of keys")

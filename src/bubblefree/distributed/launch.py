@@ -146,7 +146,9 @@ def run_worker(config: Config, *, out_dir: str | Path, resume: bool | str | Path
         cuda = config.train.device != "cpu" and torch.cuda.is_available()
         init_backend(timeout_s=float(os.environ.get("BUBBLEFREE_P2P_TIMEOUT", DEFAULT_TIMEOUT_S)),
                      device_type="cuda" if cuda else "cpu")
-        train(config, out_dir=out_dir, resume=resume, barrier=_agree)
+        from bubblefree.distributed.stop import StopAgreement
+
+        train(config, out_dir=out_dir, resume=resume, barrier=_agree, stop=StopAgreement(config.pipeline.stages))
         if dist.is_initialized():
             dist.destroy_process_group()
     except Interrupted:  # every rank stopped at the same step after a checkpoint: not a failure to report

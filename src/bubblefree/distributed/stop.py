@@ -18,8 +18,8 @@ _REQUEST, _STOP_AT = "bubblefree/stop-request", "bubblefree/stop-at"
 
 
 class StopAgreement:
-    """``should_stop(done, signalled)`` after every step: True on every rank after the same step; then, after
-    the checkpoint, ``finished()`` on every rank."""
+    """The :class:`~bubblefree.train.loop.StopRule` of a distributed run: ``should_stop(done, signalled)`` is
+    True on every rank after the same step; ``finished()``, after the checkpoint, waits for every rank."""
 
     def __init__(self, stages: int) -> None:
         self.store = dist.distributed_c10d._get_default_store()

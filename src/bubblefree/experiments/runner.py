@@ -155,7 +155,10 @@ def _execute(run: Run, work: Path, *, provenance: dict[str, str]) -> dict[str, A
     work.mkdir(parents=True)
     tic = time.perf_counter()
     with (work / "train.log").open("w") as log, contextlib.redirect_stdout(log):
-        summary = train(run.config, out_dir=work / "run")
+        try:
+            summary = train(run.config, out_dir=work / "run")
+        except KeyboardInterrupt:  # not the run's "--resume" hint: a suite starts an unfinished run over
+            raise KeyboardInterrupt() from None
     wall = time.perf_counter() - tic
     shutil.rmtree(work / "run" / "checkpoints", ignore_errors=True)  # megabytes each, never resumed
     records = read_metrics(work / "run" / METRICS_FILE)

@@ -19,7 +19,7 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -33,8 +33,8 @@ from bubblefree.train.config import (Config, apply_overrides, config_diff, confi
 from bubblefree.train.executor import Executor
 from bubblefree.train.metrics import METRICS_FILE, MetricsWriter, plot_losses, progress_bar, tensorboard_writer
 
-__all__ = ["RESUMABLE_KEYS", "Interrupted", "SetupBarrier", "TrainingDiverged", "check_fresh_out_dir", "make_executor",
-           "check_lengths", "resolved", "train"]
+__all__ = ["RESUMABLE_KEYS", "Interrupted", "SetupBarrier", "StopRule", "TrainingDiverged", "check_fresh_out_dir",
+           "check_lengths", "make_executor", "resolved", "train"]
 
 # Keys a resumed run may change: they decide what is logged, kept or how long the run is, not the trajectory
 # of the steps already taken (a longer ``train.steps`` stretches the cosine over the new length from here on).
@@ -93,8 +93,27 @@ class Interrupted(KeyboardInterrupt):
     only) says where the checkpoint is and how to continue. The CLI exits 130."""
 
 
+class StopRule(Protocol):
+    """When a signalled run stops: ``should_stop(done, signalled)`` after every step (True: checkpoint this step
+    and stop), then ``finished()`` once the checkpoint is written. The processes of a distributed run must stop
+    after the same step; its launcher passes a rule that makes them agree
+    (:class:`bubblefree.distributed.stop.StopAgreement`)."""
+
+    def should_stop(self, done: int, signalled: bool) -> bool: ...
+
+    def finished(self) -> None: ...
+
+
+class _OneProcessStop:
+    def should_stop(self, done: int, signalled: bool) -> bool:
+        return signalled
+
+    def finished(self) -> None:
+        pass
+
+
 @contextlib.contextmanager
-def _deferred_signals(distributed: bool):
+def _deferred_signals(one_process: bool):
     """Turn SIGINT and SIGTERM into a flag checked between steps, so the run stops at a step boundary with a
     checkpoint. Installed even where the shell set SIGINT to be ignored (a run started in the background).
 
@@ -109,7 +128,7 @@ def _deferred_signals(distributed: bool):
 
     def handler(signum, frame):
         flag["hit"] = True
-        if not distributed:  # a second signal acts at once
+        if one_process:  # a second signal acts at once
             for sig, old in previous.items():
                 if old in (signal.SIG_IGN, None):
                     old = signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
@@ -260,14 +279,16 @@ def _diverged(step: int, stats: Any, out_dir: Path) -> TrainingDiverged:
 
 
 def train(config: Config, *, out_dir: str | Path, resume: bool | str | Path = False,
-          barrier: SetupBarrier | None = None) -> dict[str, Any]:
+          barrier: SetupBarrier | None = None, stop: StopRule | None = None) -> dict[str, Any]:
     """Train as ``config`` says, writing config.toml, metrics.jsonl, checkpoints and loss.png to ``out_dir``.
 
     With ``resume`` the newest checkpoint in ``out_dir`` (or the checkpoint file ``resume`` names) is loaded
     and the run continues from it; the steps after it are identical to those of an uninterrupted run. Returns
     the run's summary. Invalid input is reported as a UserError before anything is written (a ValueError from
     the library while setting up is invalid input too: that is how the library reports bad arguments).
-    ``barrier`` (:data:`SetupBarrier`) lets the processes of a distributed run meet once after their setup.
+    ``barrier`` (:data:`SetupBarrier`) lets the processes of a distributed run meet once after their setup;
+    ``stop`` (:class:`StopRule`) makes them stop after the same step on SIGINT or SIGTERM (default: this
+    process stops after the step it is in).
 
     Every process of a distributed run calls this; they make the same executor calls in the same order, and
     only the executor's writer writes files and prints (the others return an empty summary).
@@ -276,13 +297,13 @@ def train(config: Config, *, out_dir: str | Path, resume: bool | str | Path = Fa
     if config.train.threads:
         torch.set_num_threads(config.train.threads)
     try:
-        return _run(config, Path(out_dir), resume, barrier)
+        return _run(config, Path(out_dir), resume, barrier, stop)
     finally:
         torch.set_num_threads(threads)
 
 
 def _run(config: Config, out_dir: Path, resume: bool | str | Path,
-         barrier: SetupBarrier | None) -> dict[str, Any]:
+         barrier: SetupBarrier | None, stop: StopRule | None) -> dict[str, Any]:
     cfg = config.train
     try:
         executor, ckpt, counts, data = _build(config, out_dir, resume, barrier)
@@ -305,13 +326,9 @@ def _run(config: Config, out_dir: Path, resume: bool | str | Path,
     plain = writer and config.log.progress and bar.disable  # no terminal (a log file, nohup): plain lines
     tokens_per_step = cfg.batch_size * cfg.seq_len
     val_loss, train_time, window_time, window_tokens, tokens_per_s = float("nan"), 0.0, 0.0, 0, 0.0
-    distributed = config.pipeline.runtime == "distributed"
-    if distributed:
-        from bubblefree.distributed.stop import StopAgreement
+    stop_rule = stop or _OneProcessStop()
 
-        agreement = StopAgreement(config.pipeline.stages)
-
-    with _deferred_signals(distributed) as signalled:
+    with _deferred_signals(one_process=stop is None) as signalled:
         for step in range(start, cfg.steps):
             tic = time.perf_counter()
             stats = executor.train_step(step, lr_scale(step, cfg.steps, warmup_frac=cfg.warmup_frac,
@@ -350,17 +367,16 @@ def _run(config: Config, out_dir: Path, resume: bool | str | Path,
                 metrics.log(record)
                 bar.set_postfix(loss=f"{stats.loss:.3f}", tok_s=f"{tokens_per_s:.0f}")
             bar.update(1)
-            stop = agreement.should_stop(done, signalled["hit"]) if distributed else signalled["hit"]
-            if last or (cfg.ckpt_every > 0 and done % cfg.ckpt_every == 0) or stop:
+            stopping = stop_rule.should_stop(done, signalled["hit"])
+            if last or (cfg.ckpt_every > 0 and done % cfg.ckpt_every == 0) or stopping:
                 state = executor.state_dict()
                 if writer:
                     save_checkpoint(out_dir, step=done, executor_state=state, config=saved,
                                     keep=cfg.ckpt_keep, loop_state={"skipped": skipped})
-            if stop and not last:
+            if stopping and not last:
                 bar.close()
                 executor.close()
-                if distributed:
-                    agreement.finished()  # the writer's checkpoint is on disk before any rank exits
+                stop_rule.finished()
                 if not writer:
                     raise Interrupted()
                 metrics.close()
