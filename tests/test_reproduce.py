@@ -271,3 +271,47 @@ def test_horizon_suite_end_to_end_at_smoke_scale(tmp_path):
     rows = [line for line in results.splitlines() if line.startswith("| muon |")]
     assert [row.split(" | ")[1] for row in rows] == ["20", "40"]
     assert (out / "horizon-gap.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_overrides_change_the_base_run_enter_every_id_and_the_table(tmp_path, monkeypatch):
+    """``--set`` / ``--config`` change the base run every run is built from; the ids change with the config,
+    the table names the change, and the suite's own keys (sweep rate, schedule, seed) still vary as usual."""
+    text = tmp_path / "mine.txt"
+    text.write_text("My own corpus, one line after another.\n" * 300)
+    (tmp_path / "mine.toml").write_text("[train]\nbatch_size = 4\n")
+    seen = []
+
+    def fake(run, work, **kw):
+        seen.append(run)
+        return {"id": run_id(run), "config": config_to_dict(run.config), "final_val_loss": 3.0,
+                "val_curve": [[1, 1, 3.0]], "train_curve": [[1, 1, 3.0]], "tokens_per_s": 1.0, "wall_time_s": 1.0,
+                "commit": "c", "machine": "m"}
+
+    monkeypatch.setattr(runner_module, "_execute", fake)
+    argv = ["reproduce", "error-feedback", "--scale", "smoke", "--optimizers", "muon", "--jobs", "1",
+            "--config", str(tmp_path / "mine.toml"), "--set", f"data.source={text}", "--set", "train.steps=30"]
+    assert main([*argv, "--out", str(tmp_path / "out")]) == 0
+    assert {r.variant for r in seen} == {"sweep", "sync", "async", "ef"} and len(seen) == 5
+    for run in seen:  # the user's keys in every run, the suite's own keys as the suite sets them
+        assert (run.config.data.source, run.config.train.steps, run.config.train.batch_size) == (str(text), 30, 4)
+    assert {r.config.pipeline.schedule for r in seen} == {"sync", "2bw"}
+    mine = {run_id(r) for r in seen}
+    assert len(mine) == 5
+    seen.clear()
+    assert main(["reproduce", "error-feedback", "--scale", "smoke", "--optimizers", "muon", "--jobs", "1",
+                 "--out", str(tmp_path / "plain")]) == 0
+    assert not mine & {run_id(r) for r in seen}  # the same suite without the keys: other runs, other ids
+    table = (tmp_path / "out" / "error-feedback.md").read_text()
+    assert (f"`data.source` 'embedded' -> '{text}', `train.steps` 40 -> 30, `train.batch_size` 8 -> 4"
+            in " ".join(table.split())) and "--set train.steps=30" in table
+
+
+def test_overrides_are_checked_before_any_run(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(runner_module, "_execute", lambda *a, **k: pytest.fail("a run started"))
+    for bad, message in ((["--set", "optim.lrr=1"], "Invalid config key: 'optim.lrr'"),
+                         (["--set", "train.batch_size=5"], "must be divisible by pipeline.microbatches"),
+                         (["--set", f"data.source={tmp_path / 'none.txt'}"], "Data path not found"),
+                         (["--set", "train.seq_len=4096"], "takes at most 2048 tokens")):
+        assert main(["reproduce", "momentum", "--scale", "smoke", *bad, "--out", str(tmp_path / "o")]) == 2
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
