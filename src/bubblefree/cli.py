@@ -27,7 +27,7 @@ from pathlib import Path
 from bubblefree import __version__
 from bubblefree.errors import UserError
 
-__all__ = ["BENCHMARKS", "build_parser", "exit_code", "main", "run_dir", "train_config"]
+__all__ = ["BENCHMARKS", "build_parser", "exit_code", "main"]
 
 BENCHMARKS = {
     "train": "tokens/s of our model against Hugging Face's LlamaForCausalLM of the same shape, and MFU",
@@ -115,39 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def train_config(preset: str | None, config_file: str | None, overrides: list[str], resume: str | None):
-    """The Config of a ``train`` command line: preset < ``--config`` < ``--set``, or with ``resume`` the run's
-    own config.toml < ``--set`` (a preset or config file is refused then). Shared by ``bubblefree train`` and
-    every rank under torchrun (``python -m bubblefree.distributed``)."""
-    from bubblefree.train.config import (apply_overrides, config_from_dict, load_config, parse_override,
-                                         read_toml, validate)
-
-    if resume is None:
-        return load_config(preset, config_file, overrides)
-    if preset is not None or config_file is not None:
-        raise UserError("Invalid --resume: the run's own config.toml is used; only --set may change "
-                        "(for example) train.steps")
-    saved = run_dir(resume) / "config.toml"
-    if not saved.is_file():
-        raise UserError(f"Invalid --resume: {resume} holds no run (no config.toml)")
-    config = config_from_dict(read_toml(saved), origin=str(saved))
-    return validate(apply_overrides(config, dict(parse_override(config, text) for text in overrides)))
-
-
-def run_dir(resume: str) -> Path:
-    """The run folder of ``--resume``: the folder itself, or the run holding the checkpoint file it names."""
-    from bubblefree.train.checkpoint import CHECKPOINT_DIR
-
-    path = Path(resume)
-    if path.suffix == ".pt":
-        if path.parent.name != CHECKPOINT_DIR:
-            raise UserError(f"Invalid --resume: {resume} (a checkpoint file must be RUN/{CHECKPOINT_DIR}/step_N.pt)")
-        return path.parent.parent
-    return path
-
-
 def _train(args: argparse.Namespace) -> int:
     from bubblefree.train.loop import check_fresh_out_dir, train
+
+    from bubblefree.train.presets import run_dir, train_config
 
     config = train_config(args.preset, args.config, args.overrides, args.resume)
     resume: bool | Path = args.resume is not None

@@ -27,13 +27,11 @@ __all__ = ["byte_tokenizer", "export_hf", "load_run_model"]
 
 
 def _checkpoint_path(source: str | Path) -> Path:
-    from bubblefree.cli import run_dir
     from bubblefree.train.checkpoint import latest_checkpoint
 
     path = Path(source)
     if path.suffix == ".pt":
-        run_dir(str(path))  # the form RUN/checkpoints/step_N.pt, or a one-line error
-        return path
+        return path  # load_checkpoint names it if it is missing or damaged
     if not (path / "config.toml").is_file():
         raise UserError(f"Invalid export source: {source} is neither a run folder nor a checkpoint file")
     newest = latest_checkpoint(path)

@@ -17,9 +17,10 @@ import argparse
 import os
 import sys
 
-from bubblefree.cli import exit_code, run_dir, train_config
+from bubblefree.cli import exit_code
 from bubblefree.distributed.launch import exit_at_once, run_worker
 from bubblefree.errors import UserError
+from bubblefree.train.presets import run_dir, train_config
 
 __all__: list[str] = []
 

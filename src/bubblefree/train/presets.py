@@ -11,11 +11,13 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from collections.abc import Callable
+from pathlib import Path
 
 from bubblefree.errors import UserError
 from bubblefree.train.config import Config, apply_overrides
 
-__all__ = ["PRESETS", "async_baseline", "demo", "get_preset", "pipedream", "smoke", "sync_baseline"]
+__all__ = ["PRESETS", "async_baseline", "demo", "get_preset", "pipedream", "run_dir", "smoke", "sync_baseline",
+           "train_config"]
 
 
 def demo() -> Config:
@@ -71,3 +73,34 @@ def get_preset(name: str) -> Config:
     config = PRESETS[name]()
     assert isinstance(config, Config) and dataclasses.is_dataclass(config)
     return config
+
+
+def train_config(preset: str | None, config_file: str | None, overrides: list[str], resume: str | None):
+    """The Config of a ``train`` command line: preset < ``--config`` < ``--set``, or with ``resume`` the run's
+    own config.toml < ``--set`` (a preset or config file is refused then). Shared by ``bubblefree train`` and
+    every rank under torchrun (``python -m bubblefree.distributed``)."""
+    from bubblefree.train.config import (apply_overrides, config_from_dict, load_config, parse_override,
+                                         read_toml, validate)
+
+    if resume is None:
+        return load_config(preset, config_file, overrides)
+    if preset is not None or config_file is not None:
+        raise UserError("Invalid --resume: the run's own config.toml is used; only --set may change "
+                        "(for example) train.steps")
+    saved = run_dir(resume) / "config.toml"
+    if not saved.is_file():
+        raise UserError(f"Invalid --resume: {resume} holds no run (no config.toml)")
+    config = config_from_dict(read_toml(saved), origin=str(saved))
+    return validate(apply_overrides(config, dict(parse_override(config, text) for text in overrides)))
+
+
+def run_dir(resume: str) -> Path:
+    """The run folder of ``--resume``: the folder itself, or the run holding the checkpoint file it names."""
+    from bubblefree.train.checkpoint import CHECKPOINT_DIR
+
+    path = Path(resume)
+    if path.suffix == ".pt":
+        if path.parent.name != CHECKPOINT_DIR:
+            raise UserError(f"Invalid --resume: {resume} (a checkpoint file must be RUN/{CHECKPOINT_DIR}/step_N.pt)")
+        return path.parent.parent
+    return path
