@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
 import statistics
 import time
@@ -102,16 +103,24 @@ def _step_fn(model: torch.nn.Module, tokens: torch.Tensor, *, device: str, autoc
 
 
 def _compare(preset: str, *, batch: int, seq_len: int, steps: int, warmup: int, device: str, autocast: bool,
-             peak: float, compile_backend: str | None = None) -> dict:
+             peak: float, compile_backend: str | None = None, per_block: bool = False) -> dict:
     """One row: ours and HF alternating step by step; ``compile_backend`` (e.g. ``inductor``) wraps both
-    models in ``torch.compile`` first (the first warmup step, which compiles, is reported apart)."""
+    models in ``torch.compile`` first (the first warmup step, which compiles, is reported apart). With
+    ``per_block`` the row has four models instead, alternating: ours and HF eager, and copies of both with
+    every transformer block compiled (``train.compile``'s recipe), as ``ours_compiled`` / ``hf_compiled``."""
     torch.manual_seed(0)
     ours = build_model(preset, device=device)
     theirs = to_hf_llama(ours).to(device)
     tokens = torch.randint(0, ours.args.vocab_size, (batch, seq_len + 1), generator=torch.Generator().manual_seed(0))
     tokens = tokens.to(device)
     models = {"ours": ours, "hf": theirs}
-    if compile_backend is not None:
+    if compile_backend is not None and per_block:
+        ours_c = copy.deepcopy(ours)
+        theirs_c = to_hf_llama(ours_c).to(device)
+        for block in [*ours_c.layers, *theirs_c.model.layers]:
+            block.compile(backend=compile_backend)
+        models.update(ours_compiled=ours_c, hf_compiled=theirs_c)
+    elif compile_backend is not None:
         models = {k: torch.compile(m, backend=compile_backend) for k, m in models.items()}
     peaks: dict[str, list[int]] = {k: [] for k in models}
     steps_fns = {k: _step_fn(m, tokens, device=device, autocast=autocast, peaks=peaks[k]) for k, m in models.items()}
@@ -126,7 +135,9 @@ def _compare(preset: str, *, batch: int, seq_len: int, steps: int, warmup: int, 
     tokens_per_step = batch * seq_len
     fpt = flops_per_token(ours, seq_len)
     row = {"preset": preset, "device": device, "dtype": "bf16-autocast" if autocast else "fp32",
-           "compile": f"torch.compile ({compile_backend})" if compile_backend else "eager", "params": ours.num_params(), "batch": batch,
+           "compile": (f"eager vs torch.compile ({compile_backend}) per block" if per_block else
+                       f"torch.compile ({compile_backend})" if compile_backend else "eager"),
+           "params": ours.num_params(), "batch": batch,
            "seq_len": seq_len, "steps": steps, "flops_per_token": fpt, "peak_flops": peak}
     for name, ts in times.items():
         median = statistics.median(ts)
@@ -139,6 +150,9 @@ def _compare(preset: str, *, batch: int, seq_len: int, steps: int, warmup: int, 
     if device.startswith("cuda"):
         row["resident_bytes"] = torch.cuda.memory_allocated()  # both models' weights and AdamW states
     row["ratio"] = row["ours_tokens_per_s"] / row["hf_tokens_per_s"]
+    if "ours_compiled" in times:
+        row["ours_compile_speedup"] = row["ours_compiled_tokens_per_s"] / row["ours_tokens_per_s"]
+        row["hf_compile_speedup"] = row["hf_compiled_tokens_per_s"] / row["hf_tokens_per_s"]
     return row
 
 
@@ -150,24 +164,33 @@ def _print_table(rows: list[dict]) -> None:
         print(f"{r['preset']:<14}{r['device']:<7}{r['dtype']:<15}{r['params'] / 1e6:>7.1f}M"
               f"{r['batch'] * r['seq_len']:>8}{r['ours_tokens_per_s']:>12.0f}{r['hf_tokens_per_s']:>11.0f}"
               f"{r['ratio']:>9.3f}{r['ours_mfu']:>10.1%}{r['hf_mfu']:>9.1%}")
+        if "ours_compiled_tokens_per_s" in r:
+            print(f"{'':<36}per-block compiled: ours {r['ours_compiled_tokens_per_s']:.0f} tok/s "
+                  f"({r['ours_compile_speedup']:.3f}x eager, MFU {r['ours_compiled_mfu']:.1%}), HF "
+                  f"{r['hf_compiled_tokens_per_s']:.0f} tok/s ({r['hf_compile_speedup']:.3f}x eager, "
+                  f"MFU {r['hf_compiled_mfu']:.1%})")
 
 
 def run(out: Path | None = None, *, presets: tuple[str, ...] = ("llama-5m", "llama-20m"), steps: int = 6,
         warmup: int = 2, batch: int = 8, seq_len: int = 256, threads: int | None = 2,
-        cuda_preset: str = "smollm2-135m", cuda_batch: int = 16, cuda_seq_len: int = 2048) -> dict:
+        cuda_preset: str = "smollm2-135m", cuda_batch: int = 16, cuda_seq_len: int = 2048,
+        compile_blocks: bool = False) -> dict:
     """Measure, print the table, and write JSON to ``out`` (a ``.json`` file, or a folder that gets
-    ``bench_train.json``) when given. ``threads`` sets ``torch.set_num_threads`` for the CPU part."""
+    ``bench_train.json``) when given. ``threads`` sets ``torch.set_num_threads`` for the CPU part;
+    ``compile_blocks`` also times block-compiled copies of both models in the CPU rows (``per_block``)."""
     if threads is not None:
         torch.set_num_threads(threads)
     cpu_peak = matmul_flops()
     print(f"fp32 matmul (2048^3, median of 7, {torch.get_num_threads()} threads): {cpu_peak / 1e9:.1f} GFLOP/s")
     rows = [_compare(p, batch=batch, seq_len=seq_len, steps=steps, warmup=warmup, device="cpu", autocast=False,
-                     peak=cpu_peak) for p in presets]
+                     peak=cpu_peak, compile_backend="inductor" if compile_blocks else None,
+                     per_block=compile_blocks) for p in presets]
     # On a shared machine the load changes during the run: the peak is the best rate seen, before or after.
     cpu_peak = max(cpu_peak, matmul_flops())
     for row in rows:
-        for name in ("ours", "hf"):
-            row[f"{name}_mfu"] *= row["peak_flops"] / cpu_peak
+        for name in ("ours", "hf", "ours_compiled", "hf_compiled"):
+            if f"{name}_mfu" in row:
+                row[f"{name}_mfu"] *= row["peak_flops"] / cpu_peak
         row["peak_flops"] = cpu_peak
     print(f"fp32 matmul after the runs: best {cpu_peak / 1e9:.1f} GFLOP/s (the MFU reference)")
     result: dict = {"threads": torch.get_num_threads(), "cpu_matmul_flops": cpu_peak, "rows": rows,
@@ -192,4 +215,13 @@ def run(out: Path | None = None, *, presets: tuple[str, ...] = ("llama-5m", "lla
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="a .json file or a folder for bench_train.json")
-    run(parser.parse_args().out)
+    parser.add_argument("--presets", default="llama-5m,llama-20m", help="comma-separated model presets")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--compile-blocks", action="store_true",
+                        help="also time block-compiled copies of both models, alternating with the eager ones")
+    a = parser.parse_args()
+    run(a.out, presets=tuple(a.presets.split(",")), batch=a.batch, seq_len=a.seq_len, steps=a.steps,
+        threads=a.threads, compile_blocks=a.compile_blocks)
