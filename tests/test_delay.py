@@ -81,7 +81,7 @@ class RefAdamW:
         return lr * wd * x + lr * (self.m / (1 - b1**self.k)) / (np.sqrt(self.v / (1 - b2**self.k)) + eps)
 
 
-def reference(opt, delays, correction, *, T, beta=1.0, lam=0.0, gamma=0.9, ks=0, kc=0):
+def reference(opt, delays, correction, *, T, beta=1.0, lam=0.0, gamma=0.9, ks=0, kc=0, adaptive=False, alpha=1.0):
     """DESIGN.md section 1 written out with full histories; returns x_1..x_T (y_1..y_T for Nesterov)."""
     inner = RefAdamW() if opt.startswith("adamw") else RefSGDM()
     d = np.repeat(delays, SIZES)
@@ -89,14 +89,23 @@ def reference(opt, delays, correction, *, T, beta=1.0, lam=0.0, gamma=0.9, ks=0,
     start = next((t for t in range(T) if is_async(t)), None)
     x, w_prev = X0.copy(), X0.copy()  # x: live weights (Nesterov: w, the non-look-ahead iterate)
     live_hist, us, out = {}, {}, []
+    mean_square = np.zeros(5)  # DC-ASGD-a's v, updated only where a delayed gradient is compensated
     for t in range(T):
         dt = d if is_async(t) else np.zeros(5, int)
         live = x + gamma * (x - w_prev) if correction == "nesterov" else x  # y_t = w_t + m_t
         live_hist[t] = live.copy()
-        stale = np.array([live_hist[max(t - dt[i], start if is_async(t) else t)][i] for i in range(5)])
+        src = [max(t - dt[i], start if is_async(t) else t) for i in range(5)]  # j = max(t - d, a)
+        stale = np.array([live_hist[src[i]][i] for i in range(5)])
+        if correction == "predict":  # x^ = x_j + alpha d (x_j - x_{j-1}), x_{a-1} := x_a
+            prev = np.array([live_hist[src[i] - 1][i] if src[i] > start else stale[i] for i in range(5)])
+            stale = np.where(dt > 0, stale + alpha * dt * (stale - prev), stale)
         g = A @ stale - c_t(t)
         if correction == "taylor":
-            g = g + lam * g * g * (live - stale)
+            scale = np.full(5, lam)
+            if adaptive:
+                mean_square = np.where(dt > 0, 0.95 * mean_square + 0.05 * g * g, mean_square)
+                scale = lam / np.sqrt(mean_square + 1e-7)
+            g = g + scale * g * g * (live - stale)
         u = inner.update(g, live)
         us[t] = u
         if correction == "nesterov":  # w_{t+1} = w_t + gamma (w_t - w_{t-1}) - (1 - gamma) u_t
@@ -113,12 +122,12 @@ def reference(opt, delays, correction, *, T, beta=1.0, lam=0.0, gamma=0.9, ks=0,
     return np.array(out)
 
 
-def run_torch(opt, delays, correction, *, T, beta=1.0, lam=0.0, gamma=0.9, ks=0, kc=0):
+def run_torch(opt, delays, correction, *, T, beta=1.0, lam=0.0, gamma=0.9, ks=0, kc=0, adaptive=False, alpha=1.0):
     factory, _ = OPTIMIZERS[opt]
     params = [nn.Parameter(torch.tensor(part)) for part in np.split(X0, np.cumsum(SIZES)[:-1])]
     delayed = DelayedOptimizer(factory(params), delays=list(delays), correction=correction, ef_beta=beta,
-                               taylor_lambda=lam, nesterov_gamma=gamma, sync_start_steps=ks,
-                               sync_cooldown_steps=kc, total_steps=T)
+                               taylor_lambda=lam, taylor_adaptive=adaptive, nesterov_gamma=gamma,
+                               predict_scale=alpha, sync_start_steps=ks, sync_cooldown_steps=kc, total_steps=T)
     a_mat, out = torch.tensor(A), []
     for t in range(T):
         delayed.zero_grad()
@@ -141,13 +150,19 @@ CASES = {  # name -> (per-parameter delays, correction, options)
     "cooldown-ef": ((2, 1), "ef", dict(kc=4)),
     "start-cooldown": ((2, 2), "none", dict(ks=2, kc=3)),
     "taylor-start-cooldown": ((1, 2), "taylor", dict(lam=0.5, ks=2, kc=3)),
+    "taylor-adaptive": ((1, 2), "taylor", dict(lam=0.3, adaptive=True)),
+    "taylor-adaptive-start-cooldown": ((2, 1), "taylor", dict(lam=0.3, adaptive=True, ks=2, kc=3)),
+    "predict-d1": ((1, 1), "predict", {}),
+    "predict-per-param": ((2, 0), "predict", dict(alpha=0.5)),
+    "predict-d3": ((3, 1), "predict", dict(alpha=2.0)),
+    "predict-start-cooldown": ((2, 1), "predict", dict(ks=3, kc=4)),
     "nesterov": ((2, 0), "nesterov", dict(gamma=0.9)),
     "nesterov-start-cooldown": ((1, 1), "nesterov", dict(gamma=0.8, ks=2, kc=3)),
 }
 
 
 @pytest.mark.parametrize("case,opt", [(c, o) for c in CASES for o in OPTIMIZERS  # EF/Nesterov: UpdateOptimizer
-                                      if OPTIMIZERS[o][1] or CASES[c][1] in ("none", "taylor")])
+                                      if OPTIMIZERS[o][1] or CASES[c][1] in ("none", "taylor", "predict")])
 def test_trajectory_matches_reference(case, opt):
     delays, correction, kw = CASES[case]
     got = run_torch(opt, delays, correction, T=15, **kw)
@@ -155,6 +170,46 @@ def test_trajectory_matches_reference(case, opt):
     np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
     # the delay must matter: the synchronous trajectory is far from this one
     assert np.abs(want - reference(opt, (0, 0), "none", T=15)).max() > 1e-3
+
+
+@pytest.mark.parametrize("correction,kw", [("predict", dict(alpha=1.0)), ("taylor", dict(lam=0.3, adaptive=True))])
+def test_new_corrections_change_the_trajectory(correction, kw):
+    """The references above are not vacuous: prediction and DC-ASGD-a move the delayed trajectory."""
+    for opt in ("sgdm-update", "adamw-update"):
+        plain = reference(opt, (2, 1), "none", T=15)
+        assert np.abs(reference(opt, (2, 1), correction, T=15, **kw) - plain).max() > 1e-3
+
+
+def test_predicted_versions_ahead_are_the_ones_the_step_will_see():
+    """A pipeline enters step t+k after only t updates (``stale_tensors(k)``); with prediction the point it gets
+    must be the very one step t+k's own ``stale_params()`` holds (delays 2 and 1, the live-weights case k = d)."""
+    model = mlp(dtype=torch.float64)
+    delayed = DelayedOptimizer(AdamW(model.parameters(), lr=1e-2), delays=[2, 2, 1, 1], correction="predict",
+                               predict_scale=1.5, sync_start_steps=1, total_steps=12)
+    seen: dict[int, list[torch.Tensor]] = {}
+    for t in range(10):
+        for k in range(0, 3 if delayed.is_async() else 1):
+            k_ok = [min(k, d) for d in delayed.effective_delays()]
+            if len(set(k_ok)) == 1:  # every parameter can look k ahead
+                seen.setdefault(t + k, []).append([x.clone() for x in delayed.stale_tensors(k)])
+        for versions in seen.pop(t, []):
+            assert all(torch.equal(a, b) for a, b in zip(versions, delayed.stale_tensors(0))), t
+        train(model, delayed, t + 1, start=t)
+    assert delayed.memory_bytes()["predict"] == sum(p.numel() * 8 for p in model.parameters())
+
+
+def test_build_delayed_passes_every_key_of_the_delay_section():
+    """No [delay] key can fall through: each one reaches the DelayedOptimizer attribute of the same name."""
+    import dataclasses
+
+    from bubblefree.delay import build_delayed
+    from bubblefree.train.config import DelayConfig
+
+    values = dict(correction="taylor", ef_beta=0.5, taylor_lambda=2.0, taylor_adaptive=True, nesterov_gamma=0.9,
+                  predict_scale=0.5, sync_start_steps=1, sync_cooldown_steps=2)
+    assert set(values) == {f.name for f in dataclasses.fields(DelayConfig)}  # a new key needs a value here
+    delayed = build_delayed(AdamW(mlp().parameters()), delays=1, config=DelayConfig(**values), total_steps=10)
+    assert {k: getattr(delayed, k) for k in values} == values and delayed.total_steps == 10
 
 
 def test_nesterov_with_sgd_is_the_paper_rule():
@@ -291,14 +346,17 @@ def test_memory_is_d_versions_and_d_buffers():
     delayed = DelayedOptimizer(AdamW(model.parameters(), lr=1e-2), delays=2, correction="ef")
     for t in range(5):
         train(model, delayed, t + 1, start=t)
-        assert delayed.memory_bytes() == {"stash": 2 * nbytes, "ef": min(t + 1, 2) * nbytes, "nesterov": 0}
+        assert delayed.memory_bytes() == {"stash": 2 * nbytes, "ef": min(t + 1, 2) * nbytes, "nesterov": 0,
+                                          "taylor": 0, "predict": 0}
 
 
-@pytest.mark.parametrize("correction,save_at", [("ef", 1), ("ef", 8), ("ef", 13), ("nesterov", 8), ("taylor", 8)])
+@pytest.mark.parametrize("correction,save_at", [("ef", 1), ("ef", 8), ("ef", 13), ("nesterov", 8), ("taylor", 8),
+                                                ("taylor-adaptive", 8), ("predict", 5), ("predict", 13)])
 def test_resume_reproduces_the_run(tmp_path, correction, save_at):
     """Save mid-run (sync start, async, cooldown), load into fresh objects (via a file): identical to the end."""
-    kw = dict(delays=[2, 2, 1, 0], correction=correction, taylor_lambda=0.5, sync_start_steps=3,
-              sync_cooldown_steps=4, total_steps=16)
+    kw = dict(delays=[2, 2, 1, 0], correction=correction.split("-")[0], taylor_lambda=0.5,
+              taylor_adaptive=correction.endswith("adaptive"), sync_start_steps=3, sync_cooldown_steps=4,
+              total_steps=16)
     full = mlp()
     train(full, DelayedOptimizer(AdamW(full.parameters(), lr=1e-2), **kw), 16)
     first = mlp()
@@ -344,6 +402,9 @@ def test_in_memory_state_dict_round_trip():
     (dict(ef_beta=-0.1), "ef_beta"),
     (dict(taylor_lambda=-1.0), "taylor_lambda"),
     (dict(nesterov_gamma=1.0), "nesterov_gamma"),
+    (dict(correction="taylor"), "taylor_lambda"),  # lambda 0 would be the plain delay, silently
+    (dict(taylor_adaptive=1), "taylor_adaptive"),
+    (dict(predict_scale=0.0), "predict_scale"),
     (dict(sync_start_steps=-1), "sync_start_steps"),
     (dict(sync_start_steps=11, total_steps=10), "sync_start_steps"),
     (dict(sync_cooldown_steps=11, total_steps=10), "sync_cooldown_steps"),

@@ -1,4 +1,4 @@
-"""Delayed-gradient training (weight stashing) with Error Feedback, Taylor and Nesterov corrections.
+"""Delayed-gradient training (weight stashing) with Error Feedback, Taylor, Nesterov and weight prediction.
 
 One implementation of DESIGN.md section 1, shared by the single-process simulation (one instance for the
 whole model, per-parameter delays) and the distributed runtime (one instance per pipeline stage). Notation:
@@ -11,7 +11,15 @@ and cooldown, ``T`` the run length. Step ``t`` is *asynchronous* when ``K_s <= t
   (``a = 0`` gives DESIGN's ``x_j = x_0`` for ``j < 0``);
 * ``"ef"``:  ``x_{t+1} = x_t - u_t - beta (u_t - u_{t-d})`` with ``u_j = 0`` for ``j < a``
   (arXiv 2606.30634). Invariant: ``z_t = x_t + beta * sum_{j=t-d}^{t-1} u_j`` obeys ``z_{t+1} = z_t - u_t``;
-* ``"taylor"`` (DC-ASGD, Zheng et al. 2017): the optimizer sees ``g + lambda * g * g * (x_t - x_{t-d})``;
+* ``"taylor"`` (DC-ASGD, Zheng et al. 2017): the optimizer sees ``g + lambda * g * g * (x_t - x_{t-d})``
+  (elementwise, ``lambda > 0``). Adaptive (their DC-ASGD-a): ``lambda_t = lambda / sqrt(v_t + eps)`` with the
+  running mean square ``v_t = 0.95 v_{t-1} + 0.05 g * g`` of the stale gradient (``v = 0`` before the first
+  asynchronous step, ``eps = 1e-7``; the paper's constants);
+* ``"predict"`` (weight prediction, PipeMare-style linear extrapolation): the gradient of step ``t`` is taken at
+  ``x^_t = x_j + alpha * d * (x_j - x_{j-1})`` with ``j = max(t-d, a)`` and ``x_{a-1} := x_a`` (no history at
+  the fill), instead of at ``x_j``: the newest weights the stage holds, moved ``d`` steps further along their
+  last change, the point they will have reached when the gradient is applied. ``alpha`` scales the step
+  (0 would be the plain delay). ``x_{t+1} = x_t - u_t``;
 * ``"nesterov"`` (Ajanthan et al. 2025, arXiv 2505.01099): ``w_{t+1} = w_t + m_t - (1-gamma) u_t`` with
   ``m_t = gamma (w_t - w_{t-1})`` and the gradient taken at the look-ahead ``w_{t-d} + m_{t-d}``. The live
   parameters hold the look-ahead ``y_t = w_t + m_t`` (as NAdam does), so plain weight stashing yields exactly
@@ -21,12 +29,12 @@ and cooldown, ``T`` the run length. Step ``t`` is *asynchronous* when ``K_s <= t
   ``beta1 = 0.99`` and no wrapper: that is ``correction="none"`` around ``torch.optim.NAdam``.)
 
 **Switches.** *Start* (entering step ``K_s``): the pipeline begins to fill, nothing is in flight, so every
-stash slot is set to ``x_{K_s}`` and the EF buffers to 0. *Cooldown* (entering step ``T - K_c``): the
+stash slot is set to ``x_{K_s}`` and the EF buffers and the prediction's last change to 0. *Cooldown* (entering step ``T - K_c``): the
 pipeline drains; the stash is freed and EF's pending corrections are **flushed**,
 ``x <- x + beta * sum_{j=t-d}^{t-1} u_j`` (i.e. ``x <- z``): every update then counts exactly once
 (``x_T = x_0 - sum_t u_t`` for ``beta = 1``) instead of leaving ``beta`` times the last ``d`` updates applied
-twice; it is local to each stage, so a real pipeline does the same. Nesterov's ``b`` is not in-flight state
-and carries over. Switches run eagerly at the end of ``step()`` (and in ``__init__``), so the state between
+twice; it is local to each stage, so a real pipeline does the same. Nesterov's ``b`` and DC-ASGD-a's mean
+square are not in-flight state and carry over; the prediction's last change is dropped. Switches run eagerly at the end of ``step()`` (and in ``__init__``), so the state between
 two steps, the one a checkpoint captures, is always the one the next step starts from.
 
 **Memory.** Per parameter with ``d > 0`` in an asynchronous phase: a ring of ``d`` stashed versions
@@ -39,11 +47,13 @@ to the optimizer (:meth:`~bubblefree.optim.base.UpdateOptimizer.recycle`) for it
 write saves the read-for-ownership of a fresh destination, and recycling saves the page faults of new memory,
 so delay alone costs nothing over the bare step and EF one extra read of ``u_{t-d}`` (docs/delay.md).
 Parameters change storage (``p.data``) at every step; ``p`` itself, its ``.grad`` and the inner optimizer's
-state keep their identity.
+state keep their identity. With ``"predict"`` each slot holds the predicted point ``x^`` instead of ``x_j``
+(written when ``x_j`` enters the slot), plus one buffer per parameter for the last change ``x_j - x_{j-1}``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -54,10 +64,15 @@ from torch import Tensor
 from bubblefree.errors import UserError
 from bubblefree.optim.base import UpdateOptimizer, apply_updates
 
-__all__ = ["CORRECTIONS", "DelayedOptimizer"]
+__all__ = ["CORRECTIONS", "DelayedOptimizer", "build_delayed"]
 
-CORRECTIONS: tuple[str, ...] = ("none", "ef", "taylor", "nesterov")
+CORRECTIONS: tuple[str, ...] = ("none", "ef", "taylor", "nesterov", "predict")
 """Values of ``delay.correction``."""
+
+# DC-ASGD-a's mean-square decay and epsilon (Zheng et al. 2017, "Asynchronous Stochastic Gradient Descent with
+# Delay Compensation", section 4: MeanSquare(t) = m MeanSquare(t-1) + (1-m) g^2, m = 0.95, epsilon = 1e-7).
+DC_ASGD_A_DECAY = 0.95
+DC_ASGD_A_EPS = 1e-7
 
 
 def _check_int(name: str, value: Any, *, low: int = 0) -> int:
@@ -84,16 +99,18 @@ class DelayedOptimizer:
         correction: one of :data:`CORRECTIONS`.
         ef_beta: EF coefficient in ``[0, 1]``: 1 is the paper's rule, 0 the plain delay; above 1 the
             weights would run ahead of the virtual iterate by more than the updates in flight.
-        taylor_lambda: DC-ASGD coefficient ``>= 0``.
+        taylor_lambda: DC-ASGD coefficient (``> 0`` with ``"taylor"``: 0 would be the plain delay).
+        taylor_adaptive: DC-ASGD-a: divide ``taylor_lambda`` by the root of the gradient's running mean square.
         nesterov_gamma: Nesterov momentum in ``[0, 1)`` (0.99 in Ajanthan et al.).
+        predict_scale: ``alpha`` of ``"predict"`` (``> 0``; 1 extrapolates the last change linearly).
         sync_start_steps, sync_cooldown_steps: ``K_s``, ``K_c`` (``K_c > 0`` needs ``total_steps``).
         total_steps: ``T``, the run length.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, delays: int | Sequence[int] = 0,
                  correction: str = "none", ef_beta: float = 1.0, taylor_lambda: float = 0.0,
-                 nesterov_gamma: float = 0.99, sync_start_steps: int = 0, sync_cooldown_steps: int = 0,
-                 total_steps: int | None = None) -> None:
+                 taylor_adaptive: bool = False, nesterov_gamma: float = 0.99, predict_scale: float = 1.0,
+                 sync_start_steps: int = 0, sync_cooldown_steps: int = 0, total_steps: int | None = None) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ValueError(f"Invalid optimizer: {type(optimizer).__name__} (expected a torch.optim.Optimizer)")
         if correction not in CORRECTIONS:
@@ -105,8 +122,15 @@ class DelayedOptimizer:
             raise ValueError(f"Invalid ef_beta: {ef_beta} (must be in [0, 1])")
         if not 0.0 <= taylor_lambda < float("inf"):
             raise ValueError(f"Invalid taylor_lambda: {taylor_lambda} (must be >= 0)")
+        if correction == "taylor" and taylor_lambda == 0:
+            raise ValueError("Invalid taylor_lambda: 0.0 (correction 'taylor' needs lambda > 0; lambda 0 is the plain "
+                             "delay, correction 'none')")
+        if not isinstance(taylor_adaptive, bool):
+            raise ValueError(f"Invalid taylor_adaptive: {taylor_adaptive!r} (must be a bool)")
         if not 0.0 <= nesterov_gamma < 1.0:
             raise ValueError(f"Invalid nesterov_gamma: {nesterov_gamma} (must be in [0, 1))")
+        if not 0.0 < predict_scale < float("inf"):
+            raise ValueError(f"Invalid predict_scale: {predict_scale} (must be > 0; 0 is the plain delay)")
         if total_steps is not None:
             _check_int("total_steps", total_steps)
         for name, k in (("sync_start_steps", sync_start_steps), ("sync_cooldown_steps", sync_cooldown_steps)):
@@ -131,7 +155,9 @@ class DelayedOptimizer:
         self.correction = correction
         self.ef_beta = float(ef_beta)
         self.taylor_lambda = float(taylor_lambda)
+        self.taylor_adaptive = taylor_adaptive
         self.nesterov_gamma = float(nesterov_gamma)
+        self.predict_scale = float(predict_scale)
         self.sync_start_steps = sync_start_steps
         self.sync_cooldown_steps = sync_cooldown_steps
         self.total_steps = total_steps
@@ -140,6 +166,8 @@ class DelayedOptimizer:
         self._stash: list[list[Tensor] | None] = [None] * n
         self._ef: list[list[Tensor | None] | None] = [None] * n
         self._momentum: list[Tensor | None] = [None] * n
+        self._mean_square: list[Tensor | None] = [None] * n  # DC-ASGD-a
+        self._change: list[Tensor | None] = [None] * n  # "predict": x_j - x_{j-1} of the newest j
         self._switch_phase()
 
     # ----------------------------------------------------------------------------------------- phases
@@ -170,29 +198,37 @@ class DelayedOptimizer:
                 if d > 0:
                     self._stash[i] = [p.detach().clone() for _ in range(d)]
                     self._ef[i] = [None] * d if self.correction == "ef" else None
+                    self._change[i] = torch.zeros_like(p) if self.correction == "predict" else None
             self._filled = True
         elif not self.is_async() and self._filled:  # pipeline drains: flush EF (x <- z), free the stash
             for i, p in enumerate(self._params):
                 for u in self._ef[i] or []:
                     if u is not None:
                         p.add_(u.to(p.dtype), alpha=self.ef_beta)
-                self._stash[i] = self._ef[i] = None
+                self._stash[i] = self._ef[i] = self._change[i] = None
             self._filled = False
 
     # ------------------------------------------------------------------------------- stale versions
     def stale_tensors(self, ahead: int = 0) -> list[Tensor]:
-        """The tensors holding ``x_{t+ahead-d_p}`` for every parameter (the live parameter where that is ``x_t``).
+        """The tensors holding ``x_{t+ahead-d_p}`` for every parameter (the live parameter where that is ``x_t``;
+        with ``"predict"``, the predicted point ``x^_{t+ahead}`` instead).
 
         ``ahead`` lets a pipeline run forwards of a later step before this step's update (``0 <= ahead <=
         d_p`` for every parameter). Aliasing: the returned tensors are stash slots (or the parameters) and
         stay valid only until the next ``step()``, which writes ``x_{t+1}`` into slot ``t % d`` and swaps
-        storages; clone what must outlive it. Do not modify them.
+        storages; clone what must outlive it. Do not modify them. (A prediction from the live weights,
+        ``ahead = d_p``, is a fresh tensor.)
         """
         out = []
         for i, (p, d) in enumerate(zip(self._params, self.effective_delays())):
             if not 0 <= ahead <= d:
                 raise ValueError(f"Invalid ahead: {ahead} (parameter {i} has delay {d} at step {self._t})")
-            out.append(p if ahead == d else self._stash[i][(self._t + ahead) % d])
+            if ahead < d:
+                out.append(self._stash[i][(self._t + ahead) % d])
+            elif d > 0 and self._change[i] is not None:  # x^ = x_t + alpha d (x_t - x_{t-1})
+                out.append(torch.add(p.detach(), self._change[i], alpha=self.predict_scale * d))
+            else:
+                out.append(p)
         return out
 
     @contextmanager
@@ -222,22 +258,47 @@ class DelayedOptimizer:
         t, delays = self._t, self.effective_delays()
         slot = [t % d if d else -1 for d in delays]
         delayed = [i for i, d in enumerate(delays) if d > 0]
-        if self.correction == "taylor" and self.taylor_lambda > 0:
-            live = [i for i in delayed if self._params[i].grad is not None]
-            if live:
-                grads = [self._params[i].grad for i in live]
-                diff = torch._foreach_sub([self._params[i] for i in live],
-                                          [self._stash[i][slot[i]] for i in live])
-                torch._foreach_mul_(diff, grads)
-                torch._foreach_addcmul_(grads, diff, grads, value=self.taylor_lambda)
+        if self.correction == "taylor":
+            self._compensate([i for i in delayed if self._params[i].grad is not None], slot)
         if isinstance(self.optimizer, UpdateOptimizer):
             self._apply(self.optimizer.compute_updates(), delays, slot)
         else:  # plain torch optimizer: x_t goes into the freed slot, then it steps the live weights
             for i in delayed:
                 self._stash[i][slot[i]].copy_(self._params[i])
             self.optimizer.step()
+        if self.correction == "predict":
+            self._predict(delayed, delays, slot)
         self._t += 1
         self._switch_phase()
+
+    def _compensate(self, live: list[int], slot: list[int]) -> None:
+        """DC-ASGD: ``g <- g + lambda_t * g * g * (x_t - x_{t-d})`` in place (module docstring)."""
+        if not live:
+            return
+        grads = [self._params[i].grad for i in live]
+        diff = torch._foreach_sub([self._params[i] for i in live], [self._stash[i][slot[i]] for i in live])
+        torch._foreach_mul_(diff, grads)
+        if self.taylor_adaptive:  # lambda_t = lambda / sqrt(v_t + eps), v_t the running mean square of g
+            ms = []
+            for i, g in zip(live, grads):
+                if self._mean_square[i] is None:
+                    self._mean_square[i] = torch.zeros_like(g)
+                ms.append(self._mean_square[i])
+            torch._foreach_mul_(ms, DC_ASGD_A_DECAY)
+            torch._foreach_addcmul_(ms, grads, grads, value=1.0 - DC_ASGD_A_DECAY)
+            denom = torch._foreach_add(ms, DC_ASGD_A_EPS)
+            torch._foreach_sqrt_(denom)
+            torch._foreach_div_(diff, denom)
+        torch._foreach_addcmul_(grads, diff, grads, value=self.taylor_lambda)
+
+    def _predict(self, delayed: list[int], delays: list[int], slot: list[int]) -> None:
+        """After the update: slot ``t % d`` holds ``x_t``; make it ``x^_{t+d} = x_t + alpha d (x_t - x_{t-1})``
+        and remember ``x_{t+1} - x_t`` for the next prediction (module docstring)."""
+        for i in delayed:
+            x_t = self._stash[i][slot[i]]
+            change = torch.sub(self._params[i].detach(), x_t)
+            x_t.add_(self._change[i], alpha=self.predict_scale * delays[i])
+            self._change[i] = change
 
     def _apply(self, updates: list[Tensor | None], delays: list[int], slot: list[int]) -> None:
         if self.correction == "nesterov":
@@ -303,19 +364,24 @@ class DelayedOptimizer:
 
     # ----------------------------------------------------------------------------------- bookkeeping
     def memory_bytes(self) -> dict[str, int]:
-        """Bytes held by the wrapper (not the model or the inner optimizer): stash, EF and Nesterov buffers."""
+        """Bytes held by the wrapper (not the model or the inner optimizer): stash, EF, Nesterov, DC-ASGD-a and
+        prediction buffers."""
         def size(tensors: Sequence[Tensor | None] | None) -> int:
             return sum(x.numel() * x.element_size() for x in tensors or [] if x is not None)
 
-        return {"stash": sum(map(size, self._stash)), "ef": sum(map(size, self._ef)), "nesterov": size(self._momentum)}
+        return {"stash": sum(map(size, self._stash)), "ef": sum(map(size, self._ef)), "nesterov": size(self._momentum),
+                "taylor": size(self._mean_square), "predict": size(self._change)}
 
     def state_dict(self) -> dict[str, Any]:
-        """Inner optimizer state, counters, stash rings, EF rings and Nesterov buffers (by reference, like torch)."""
+        """Inner optimizer state, counters, stash rings, EF rings, Nesterov, DC-ASGD-a and prediction buffers (by
+        reference, like torch)."""
+        buffers = lambda xs: {i: b for i, b in enumerate(xs) if b is not None}  # noqa: E731
         return {"inner": self.optimizer.state_dict(), "step": self._t, "filled": self._filled,
                 "delays": list(self.delays), "correction": self.correction,
                 "stash": {i: list(r) for i, r in enumerate(self._stash) if r is not None},
                 "ef": {i: list(r) for i, r in enumerate(self._ef) if r is not None},
-                "momentum": {i: b for i, b in enumerate(self._momentum) if b is not None}}
+                "momentum": buffers(self._momentum), "mean_square": buffers(self._mean_square),
+                "change": buffers(self._change)}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -330,10 +396,26 @@ class DelayedOptimizer:
         self._stash = [None] * n
         self._ef = [None] * n
         self._momentum = [None] * n
+        self._mean_square = [None] * n
+        self._change = [None] * n
         for i, ring in state["stash"].items():
             self._stash[int(i)] = [own(x, self._params[int(i)]).to(self._params[int(i)].dtype) for x in ring]
         for i, ring in state["ef"].items():
             self._ef[int(i)] = [own(u, self._params[int(i)]) for u in ring]
-        for i, b in state["momentum"].items():
-            self._momentum[int(i)] = own(b, self._params[int(i)])
+        for key, buffers in (("momentum", self._momentum), ("mean_square", self._mean_square),
+                             ("change", self._change)):
+            for i, b in state.get(key, {}).items():  # checkpoints older than a buffer lack its key
+                buffers[int(i)] = own(b, self._params[int(i)])
         self._switch_phase()  # a run resumed with another total_steps may have to fill or drain now
+
+
+def build_delayed(optimizer: torch.optim.Optimizer, *, delays: int | Sequence[int], config: Any,
+                  total_steps: int) -> DelayedOptimizer:
+    """The one way both executors build a :class:`DelayedOptimizer` from a run's ``[delay]`` config section.
+
+    ``config`` is a ``bubblefree.train.config.DelayConfig``: *every* one of its fields is passed as the keyword
+    of the same name, so a key added to the section without a keyword here is a TypeError at the first run
+    (and in the tests), never a setting silently ignored by one executor.
+    """
+    kwargs = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    return DelayedOptimizer(optimizer, delays=delays, total_steps=total_steps, **kwargs)

@@ -81,7 +81,7 @@ class DistributedExecutor:
     def __init__(self, config: Config, model: torch.nn.Module, data: Any, *, out_dir: str | Path | None = None,
                  mesh: Mesh | None = None, timeout_s: float | None = None,
                  stage_module: torch.nn.Module | None = None):
-        from bubblefree.delay import DelayedOptimizer
+        from bubblefree.delay import build_delayed
         from bubblefree.models.split import split_model
         from bubblefree.optim import build_optimizer
         from bubblefree.schedules import stage_delays
@@ -114,12 +114,9 @@ class DistributedExecutor:
         self.module = (split_model(model, P)[self.mesh.stage] if stage_module is None else stage_module
                        ).to(self.device)
         self._moe = [mod for mod in self.module.modules() if isinstance(mod, MoE)]
-        delayed = DelayedOptimizer(build_optimizer(self.module, cfg.optim),
-                                   delays=stage_delays(pipe.schedule, P)[self.mesh.stage],
-                                   correction=cfg.delay.correction, ef_beta=cfg.delay.ef_beta,
-                                   taylor_lambda=cfg.delay.taylor_lambda,
-                                   sync_start_steps=cfg.delay.sync_start_steps,
-                                   sync_cooldown_steps=cfg.delay.sync_cooldown_steps, total_steps=cfg.train.steps)
+        delayed = build_delayed(build_optimizer(self.module, cfg.optim),
+                                delays=stage_delays(pipe.schedule, P)[self.mesh.stage], config=cfg.delay,
+                                total_steps=cfg.train.steps)
         self.stage = StageRuntime(self.module, delayed, n_stages=P, grad_clip=cfg.train.grad_clip,
                                   dp_group=self.mesh.dp_group)
         self.p2p = P2P(self.device, timeout_s)

@@ -77,7 +77,12 @@ _ORIGINAL_KEYS = frozenset(
     + [f"delay.{k}" for k in ("correction", "ef_beta", "taylor_lambda", "sync_start_steps", "sync_cooldown_steps")]
 )
 
-NEUTRAL: dict[str, Any] = {"train.compile": False}
+NEUTRAL: dict[str, Any] = {
+    "train.compile": False,
+    "delay.taylor_adaptive": False,  # DC-ASGD-a: off is the plain Taylor rule
+    "delay.nesterov_gamma": 0.99,  # the value hard-coded before the key existed
+    "delay.predict_scale": 1.0,  # acts only with delay.correction = predict, added with it
+}
 """Every config key added after :data:`_ORIGINAL_KEYS`, with its *neutral* value: the value under which a run
 computes exactly what it computed before the key existed. A key at its neutral value is left out of the id, so
 adding a key never orphans finished results, while any other value (a change that affects training) gives a

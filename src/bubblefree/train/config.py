@@ -177,13 +177,28 @@ class PipelineConfig:
 @dataclass(kw_only=True)
 class DelayConfig:
     correction: str = "ef"
-    """``none``, ``ef`` (Error Feedback), ``taylor`` (DC-ASGD), ``nesterov`` (Ajanthan et al. 2025)."""
+    """``none``, ``ef`` (Error Feedback), ``taylor`` (DC-ASGD), ``nesterov`` (Ajanthan et al. 2025), ``predict``
+    (weight prediction: the stale gradient is taken at the weights extrapolated along their last change). The
+    rules are in docs/delay.md."""
 
     ef_beta: float = 1.0
-    """Error Feedback coefficient beta."""
+    """Error Feedback coefficient beta in [0, 1]: x_{t+1} = x_t - u_t - beta (u_t - u_{t-d}); 1 is the paper's rule."""
 
     taylor_lambda: float = 0.0
-    """Taylor (DC-ASGD) coefficient lambda."""
+    """Taylor (DC-ASGD) coefficient lambda: the optimizer sees g + lambda g*g*(x_t - x_{t-d}). Must be > 0 with
+    ``correction = "taylor"`` (0 would be the plain delay, which is ``correction = "none"``)."""
+
+    taylor_adaptive: bool = False
+    """Taylor only: DC-ASGD-a, lambda divided elementwise by sqrt(v + 1e-7), v the running mean square of the
+    gradient (decay 0.95, the DC-ASGD paper's constants): the term then grows like |g|, not g*g."""
+
+    nesterov_gamma: float = 0.99
+    """Nesterov only: the momentum gamma in [0, 1) of Ajanthan et al. 2025 (their 0.99; a time constant of
+    1 / (1 - gamma) steps)."""
+
+    predict_scale: float = 1.0
+    """Weight prediction only: alpha > 0 in x^ = x_j + alpha d (x_j - x_{j-1}); 1 extrapolates the last change of
+    the weights linearly over the d steps of delay."""
 
     sync_start_steps: int = 0
     """Train the first K steps synchronously (delay 0)."""
@@ -394,6 +409,15 @@ def validate(config: Config) -> Config:
     for key in _FRACTIONS:
         if not 0.0 <= flat[key] <= 1.0:
             raise UserError(f"Invalid {key}: {flat[key]} (must be in [0, 1])")
+    if not flat["delay.ef_beta"] <= 1.0:
+        raise UserError(f"Invalid delay.ef_beta: {flat['delay.ef_beta']} (must be in [0, 1])")
+    if not 0.0 <= flat["delay.nesterov_gamma"] < 1.0:
+        raise UserError(f"Invalid delay.nesterov_gamma: {flat['delay.nesterov_gamma']} (must be in [0, 1))")
+    if not flat["delay.predict_scale"] > 0:
+        raise UserError(f"Invalid delay.predict_scale: {flat['delay.predict_scale']} (must be > 0)")
+    if flat["delay.correction"] == "taylor" and flat["delay.taylor_lambda"] == 0:
+        raise UserError("Invalid delay.taylor_lambda: 0.0 with delay.correction = taylor (lambda 0 is the plain "
+                        "delay: set a lambda > 0, or delay.correction = none)")
     if not flat["optim.momentum"] < 1.0:
         raise UserError(f"Invalid optim.momentum: {flat['optim.momentum']} (must be < 1; negative = default)")
     if config.train.batch_size % config.pipeline.microbatches:

@@ -7,7 +7,7 @@ One optimizer step ``t`` of a pipeline with ``P`` stages and ``M`` microbatches 
 
 with the per-stage delays ``d_s`` of the schedule (``schedules.stage_delays``: 0 for sync/gpipe/1f1b, 1 for
 PipeDream-2BW, ``P-1-s`` for PipeDream). :class:`bubblefree.delay.DelayedOptimizer` keeps the stash of old
-weights and the Error Feedback / Taylor state; inside ``stale_params()`` each parameter holds the version its
+weights and the state of the correction; inside ``stale_params()`` each parameter holds the version its
 stage's forward and backward would see. The forward and backward of the whole model run in one process, which
 gives the same gradients as the stage-split pipeline (activations pass through unchanged). Each stage then clips
 its own gradients to ``grad_clip / sqrt(P)`` as the distributed runtime does (``optim.clip_stage_grads``), so
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from bubblefree.data import eval_batches, get_batch
-from bubblefree.delay import DelayedOptimizer
+from bubblefree.delay import build_delayed
 from bubblefree.models.split import param_stages
 from bubblefree.optim import build_optimizer, clip_stage_grads, set_lr_scale
 from bubblefree.schedules.delays import n_partitions, parameter_delays
@@ -82,11 +82,8 @@ class SimExecutor:
         device_of = [partition_of[names[id(p)]] % n_stages for p in self.optimizer.params()]
         self.stage_params = [[p for p, s in zip(self.optimizer.params(), device_of) if s == stage]
                              for stage in range(n_stages)]
-        self.delayed = DelayedOptimizer(
-            self.optimizer, delays=delays, correction=config.delay.correction,
-            ef_beta=config.delay.ef_beta, taylor_lambda=config.delay.taylor_lambda,
-            sync_start_steps=config.delay.sync_start_steps,
-            sync_cooldown_steps=config.delay.sync_cooldown_steps, total_steps=config.train.steps)
+        self.delayed = build_delayed(self.optimizer, delays=delays, config=config.delay,
+                                     total_steps=config.train.steps)
 
     def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with self._autocast():
