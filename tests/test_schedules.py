@@ -21,6 +21,12 @@ def test_golden_orders():
     )
     # 2BW never flushes: step 1's forwards (microbatches 2, 3) interleave with step 0's backwards.
     assert build_schedule("2bw", 2, 2, steps=2).format().splitlines()[0] == "0F0 0F1 0B0 0F2 0B1 0F3 0B2 0B3"
+    # WPipe: rank 0 holds partitions 0 (first half) and 2 (second half); step 1's first-half forwards (2, 3)
+    # run before step 0's first-half backwards, the second half finishes step 0 before its step-1 forwards.
+    assert build_schedule("wpipe", 2, 2, steps=2).format() == (
+        "0F0 0F1 2F0 2F1 2B0 2B1 0F2 0F3 0B0 0B1 2F2 2F3 2B2 2B3 0B2 0B3\n"
+        "1F0 1F1 3F0 3F1 3B0 3B1 1F2 1F3 1B0 1B1 3F2 3F3 3B2 3B3 1B2 1B3"
+    )
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
@@ -82,12 +88,23 @@ def test_derived_delays_versions_and_activations(P):
 
 
 @pytest.mark.parametrize("P", [1, 2, 3, 4, 8])
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "2bw", "pipedream"])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "2bw", "pipedream", "wpipe"])
 def test_timeline_agrees_with_the_training_delay_table(name, P):
-    """The delays the training runs are the delays the schedule's timeline produces: one definition, checked."""
+    """The delays the training runs are the delays the schedule's timeline produces: one definition, checked.
+    (WPipe: one entry per partition, 2P of them, the first half one step stale with two versions.)"""
     tl = simulate(build_schedule(name, P, 2 * P, steps=P + 2))
     assert tl.staleness() == stage_delays(name, P)
     assert tl.weight_versions() == weight_versions(name, P)
+
+
+@pytest.mark.parametrize("P,M", [(1, 1), (2, 1), (2, 3), (3, 3), (4, 4)])
+@pytest.mark.parametrize("costs", [Costs(1, 2), Costs(1, 1, comm=0.5), Costs(1, 2, update=3)])
+def test_wpipe_delays_hold_for_any_microbatches_and_costs(P, M, costs):
+    """Every microbatch of a step at a partition sees one version (the simulator asserts it), and which one
+    does not depend on timing: the first half is always one step stale, the second never."""
+    tl = simulate(build_schedule("wpipe", P, M, steps=4), costs)
+    assert tl.staleness() == [1] * P + [0] * P and tl.weight_versions() == [2] * P + [1] * P
+    assert {tl.versions_used[(s, j)] for s in range(P) for j in range(M, 2 * M)} == {0}  # step 1 sees x_0
 
 
 def test_bad_input():
@@ -121,6 +138,9 @@ def test_cli_simulate(tmp_path, capsys):
                  "--out", str(tmp_path)]) == 0
     assert (tmp_path / "simulate.json").exists() and (tmp_path / "timeline.png").exists()
     capsys.readouterr()
+    assert main(["simulate", "--stages", "2", "--microbatches", "2", "--schedules", "wpipe,2bw"]) == 0
+    out = capsys.readouterr().out
+    assert "1,1,0,0" in next(line for line in out.splitlines() if line.startswith("wpipe"))  # delay per partition
     assert main(["simulate", "--stages", "4", "--microbatches", "2", "--schedules", "2bw"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "at least one per stage" in err

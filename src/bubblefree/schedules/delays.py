@@ -17,14 +17,15 @@ while ``P-1-s`` later microbatches are in flight. The simulation keeps its unit 
 whole batch), so ``pipedream`` here means "each stage is ``P-1-s`` optimizer steps stale", which compares
 it with 2BW at the same batch size per step (DESIGN.md section 1).
 
-*WPipe.* From the authors' code (yangpc615/WPipe, research/wpipe_nesterov.md, about 90 % sure): the model
-is cut into ``2P`` partitions over ``P`` devices, device ``s`` holding partitions ``s`` and ``s+P``; each
-group accumulates ``P`` microbatches per step and the two halves update alternately. The first half
-(partitions ``0..P-1``, i.e. the first half of the layers) has its forward of the next period moved ahead
-of the backward of the current one, hence delay 1 and two weight versions (``W_{k+1} = W_k - lr * g(W_{k-1})``
-in the code's docstring); the second half keeps the normal order: delay 0, one version. So for ``wpipe``
-the lists below have ``n_partitions("wpipe", P) = 2P`` entries, and parameters are mapped to partitions
-by splitting the model into ``2P`` consecutive pieces (``models.split.param_stages(model, 2 * P)``).
+*WPipe* (Yang et al., ICLR 2022): the model is cut into ``2P`` partitions over ``P`` devices, device ``s``
+holding partitions ``s`` and ``s+P``; ``P`` microbatches accumulate per step and the two halves update
+alternately with double-buffered weights. The first half's forwards of the next step run ahead of its
+backwards of the current one, the second half keeps the plain order, so the first half (partitions
+``0..P-1``) is one step stale with two versions and the second half fresh with one. These values are the
+ones the timeline simulator derives from WPipe's order (``schedules.ir``, ``schedules.timeline``); a test
+checks every row of this table against the simulated order. For ``wpipe`` the lists below have
+``n_partitions("wpipe", P) = 2P`` entries, and parameters are mapped to partitions by splitting the model
+into ``2P`` consecutive pieces (``models.split.param_stages(model, 2 * P)``).
 
 ``weight_versions`` is derived from the delays (``d + 1``: the live weights plus ``d`` stashed ones), never
 tabulated twice.

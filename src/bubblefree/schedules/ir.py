@@ -7,7 +7,8 @@ Microbatch indices are global over the run: microbatch ``j`` belongs to optimize
 
 Flushing schedules (GPipe, 1F1B, interleaved 1F1B, zero bubble) repeat one step's order ``steps`` times;
 the asynchronous ones (PipeDream-2BW, PipeDream) run one 1F1B order over the whole run, filling once at the
-start and draining once at the end. Which weights each microbatch sees, and hence each stage's delay, is
+start and draining once at the end; WPipe cuts the model into ``2P`` partitions (rank ``r`` holds ``r`` and
+``r + P``) and overlaps the first half's next step with the current one. Which weights each microbatch sees, and hence each stage's delay, is
 *derived* from these orders by :mod:`bubblefree.schedules.timeline`, and a test checks the result against the
 delay table the training uses (:func:`bubblefree.schedules.delays.stage_delays`).
 """
@@ -43,7 +44,8 @@ class Schedule:
     version_policy: str
     """``flush`` (a step starts after the previous update everywhere), ``2bw`` (every microbatch of step t uses
     the newest version present when the step's first microbatch entered the stage) or ``pipedream`` (each
-    microbatch uses the newest version present at its own forward)."""
+    microbatch uses the newest version present at its own forward) or ``newest`` (the same for every
+    microbatch; WPipe, whose order guarantees that a step's microbatches all see one version at a stage)."""
     split_backward: bool = False
 
     def rank_of(self, stage: int) -> int:
@@ -98,7 +100,25 @@ def _interleaved(rank: int, n_ranks: int, chunks: int, microbatches: range) -> l
     return order
 
 
-SIMULATED_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "2bw", "pipedream")
+def _wpipe(rank: int, n_ranks: int, per_step: list[range]) -> list[Action]:
+    """WPipe on one rank (Yang et al., ICLR 2022): it holds partition ``r`` of the first half and ``r + P`` of
+    the second. Per step ``t``: the second half's forwards and backwards of ``t``, then the first half's
+    forwards of step ``t+1`` *moved ahead of* its backwards of ``t``. So the second half updates before its
+    next forward (no delay, one version), while the first half runs step ``t+1``'s forwards on the weights
+    without update ``t`` (one step stale, two versions: the double buffer). Both follow from this order in
+    the timeline simulator; nothing here states them. Each group's microbatches of a step run back to back
+    (the paper interleaves them finer, which changes the bubbles, not which weights each forward sees)."""
+    first, second = rank, rank + n_ranks
+    order = [Action(first, "F", j) for j in per_step[0]]
+    for t, mbs in enumerate(per_step):
+        order += [Action(second, "F", j) for j in mbs] + [Action(second, "B", j) for j in mbs]
+        if t + 1 < len(per_step):
+            order += [Action(first, "F", j) for j in per_step[t + 1]]
+        order += [Action(first, "B", j) for j in mbs]
+    return order
+
+
+SIMULATED_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "2bw", "pipedream", "wpipe")
 
 
 def build_schedule(name: str, n_stages: int, n_microbatches: int, *, steps: int = 1, chunks: int = 2) -> Schedule:
@@ -131,6 +151,9 @@ def build_schedule(name: str, n_stages: int, n_microbatches: int, *, steps: int 
             raise ValueError(f"Invalid microbatches: {M} (PipeDream-2BW needs at least one per stage, {P})")
         orders = [one_f_one_b_order(s, P, range(steps * M)) for s in range(P)]
         return Schedule(name, P, P, M, steps, _freeze(orders), "2bw")
+    if name == "wpipe":
+        orders = [_wpipe(r, P, per_step) for r in range(P)]
+        return Schedule(name, 2 * P, P, M, steps, _freeze(orders), "newest")
     # PipeDream updates after every microbatch: the same work as `steps` batches of M is steps * M updates.
     orders = [one_f_one_b_order(s, P, range(steps * M)) for s in range(P)]
     return Schedule(name, P, P, 1, steps * M, _freeze(orders), "pipedream")

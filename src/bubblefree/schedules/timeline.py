@@ -185,8 +185,14 @@ def simulate(schedule: Schedule, costs: Costs = Costs()) -> Timeline:
         if a.kind == "B" and split:
             pending_w[rank].append(Action(a.stage, "W", a.microbatch))
 
+    first_version: dict[tuple[int, int], int] = {}
+
     def _version(stage: int, step: int) -> int:
         now = updates_done[stage]
+        if schedule.version_policy == "newest":  # every microbatch of the step at the version its first one saw
+            version = first_version.setdefault((stage, step), now)
+            assert version == now, f"stage {stage} updated between microbatches of step {step}"
+            return now
         if schedule.version_policy != "2bw":
             return now
         # PipeDream-2BW computes every gradient of step t at x_{t-1} on every stage (Narayanan et al. 2021), even
