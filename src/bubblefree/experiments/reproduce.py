@@ -23,7 +23,16 @@ from bubblefree.errors import UserError
 from bubblefree.experiments.plots import draw
 from bubblefree.experiments.runner import commit, machine, pending, run_all
 from bubblefree.experiments.scales import Scale, get_scale
-from bubblefree.experiments.suites import choose_lrs, get_suite, sweep_extension, sweep_runs, sweep_table
+from bubblefree.experiments.suites import (
+    choose_lrs,
+    get_suite,
+    knob_best_runs,
+    knob_extension,
+    knob_sweep_runs,
+    sweep_extension,
+    sweep_runs,
+    sweep_table,
+)
 from bubblefree.optim import OPTIMIZERS
 from bubblefree.train.config import (apply_overrides, config_diff, config_from_dict, parse_override, read_toml,
                                      validate)
@@ -88,21 +97,43 @@ def reproduce(suite: str, *, scale: str = "cpu", out: str | Path | None = None, 
             sweep_rows += run_all(extension, out, bar=bar, jobs=jobs)
         lrs = {o: choose_lrs(sweep_rows)[o] for o in chosen}
         runs = spec.runs(sc, lrs)
+        knob_rows: list[dict[str, Any]] = []
+        if spec.knobs:  # each method's own setting, swept at the chosen rate like the rate itself
+            knob_runs = knob_sweep_runs(sc, lrs, spec.knobs)
+            bar.total = bar.n + len(pending(runs + knob_runs, out))
+            knob_rows = run_all(knob_runs, out, bar=bar, jobs=jobs)
+            while extension := knob_extension(sc, lrs, spec.knobs, knob_rows):
+                bar.total += len(pending(extension, out))
+                knob_rows += run_all(extension, out, bar=bar, jobs=jobs)
+            runs += knob_best_runs(sc, lrs, spec.knobs, knob_rows)
         bar.total = bar.n + len(pending(runs, out))
         bar.refresh()
         rows = run_all(runs, out, bar=bar, jobs=jobs)
     elapsed = time.perf_counter() - tic
 
     title = f"{spec.title}, scale {sc.name}"
-    plots = draw(rows, spec.plots, out, title=title)
+    # The curves show each method at its best setting (its default and sweep points are in the table).
+    plots = draw([r for r in rows if r.get("role") in (None, "best")], spec.plots, out, title=title)
     table_path = out / f"{suite}.md"
     command = command or f"reproduce({suite!r}, scale={sc.name!r})"
-    table_path.write_text(_markdown(spec, sc, sweep_rows, rows, plots, elapsed, command, changed),
+    table_path.write_text(_markdown(spec, sc, sweep_rows, rows + knob_rows, plots, elapsed, command, changed),
                           encoding="utf-8")
     (out / f"{suite}.json").write_text(json.dumps({"suite": suite, "scale": sc.name, "lrs": lrs,
-                                                   "runs": sorted({r["id"] for r in rows + sweep_rows})},
+                                                   "runs": sorted({r["id"] for r in rows + knob_rows + sweep_rows})},
                                                   indent=1) + "\n", encoding="utf-8")
-    return {"table": table_path, "plots": plots, "lrs": lrs, "rows": rows, "sweep": sweep_rows}
+    return {"table": table_path, "plots": plots, "lrs": lrs, "rows": rows, "sweep": sweep_rows, "knobs": knob_rows}
+
+
+def _budget(spec, scale) -> list[str]:
+    """The tuning budget of a suite whose methods have knobs, in words (the table lists the points tried)."""
+    if not spec.knobs:
+        return []
+    n = len(spec.knobs[0].grid)
+    return [(f"Tuning budget: each method's own setting gets the learning rate's protocol: {n} grid points at "
+             f"seed 0 and full length, at the optimizer's chosen rate, extended one ladder step at a time past an "
+             f"end while the best sits there (up to {scale.lr_extend} beyond each end, as the rate's sweep); the "
+             f"best point and the untuned default then run every seed ({scale.seeds}). The best is chosen on seed 0, "
+             f"which its mean includes, so it is optimistic by up to the noise floor."), ""]
 
 
 def with_base_overrides(sc: Scale, config_file: str | Path | None,
@@ -143,7 +174,7 @@ def _markdown(spec, scale, sweep_rows, rows, plots, elapsed: float, command: str
         (f"Compute: {run_time / 60:.1f} min of runs in total ({len({r['id'] for r in rows + sweep_rows})} runs), "
          f"this invocation {elapsed / 60:.1f} min (finished runs are skipped)."), "",
         "## Learning-rate sweep (synchronous, seed 0, full length)", "", sweep_table(sweep_rows), "",
-        "## Results", "", spec.table(rows), "", _DEFINITIONS, "",
+        "## Results", "", *_budget(spec, scale), spec.table(rows), "", _DEFINITIONS, "",
     ]
     lines += [f"![{p.stem}]({p.name})" for p in plots]
     return "\n".join(lines) + "\n"

@@ -10,7 +10,7 @@ at least two seeds so each gap can be printed beside its noise floor (``experime
 | ``optimizers`` | sync, 2BW async; six optimizers | Table 1 |
 | ``error-feedback`` | sync, async, async + EF; six optimizers | Table 2 |
 | ``momentum`` | sync, async at momentum 0.8 / 0.9 / 0.95 / 0.98; AdamW, Muon | momentum ablation |
-| ``mitigations`` | sync start, sync cooldown, Taylor, EF, Nesterov; AdamW, Muon | mitigation ablation |
+| ``mitigations`` | sync start / cooldown, Taylor (+ adaptive), EF, Nesterov, prediction: default and tuned; AdamW, Muon | mitigations |
 | ``schedules`` | sync, 2BW, PipeDream, WPipe at the scale's depths (2 / 4 / 8 / 16, a 32-layer model); AdamW, Muon | depth |
 | ``sensitivity`` | sync, async at 0.5x / 2x batch (same tokens), 0.5x / 2x lr, wd 0 / 0.3; AdamW, Muon | ablations |
 | ``moe`` | sync, async, async + EF on a small MoE; AdamW, Muon | MoE result |
@@ -44,7 +44,8 @@ from bubblefree.experiments.tables import (
 from bubblefree.optim import OPTIMIZERS
 from bubblefree.train.config import apply_overrides
 
-__all__ = ["SUITES", "Suite", "choose_lrs", "get_suite", "sweep_extension", "sweep_runs", "sweep_table"]
+__all__ = ["SUITES", "Knob", "Suite", "choose_lrs", "get_suite", "knob_best_runs", "knob_extension", "knob_sweep_runs",
+           "mitigation_knobs", "sweep_extension", "sweep_runs", "sweep_table"]
 
 Rows = list[dict[str, Any]]
 
@@ -53,7 +54,7 @@ ASYNC = {"pipeline.schedule": "2bw", "delay.correction": "none"}
 EF = {"pipeline.schedule": "2bw", "delay.correction": "ef"}
 ALL_OPTIMIZERS = ("adamw", "muon", "soap", "adan", "lion", "mars")  # the paper's Table 1 order
 MOMENTA = (0.8, 0.9, 0.95, 0.98)
-TAYLOR_LAMBDA = 0.1  # DC-ASGD's lambda; docs/delay.md's example value (the paper gives none we could read)
+TAYLOR_LAMBDA = 0.1  # Taylor's untuned default: docs/delay.md's example value (the paper gives none we could read)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,6 +70,9 @@ class Suite:
     table: Callable[[Rows], str]
     plots: tuple[tuple[str, str], ...] = ()
     """``(file stem, kind)`` pairs drawn by ``experiments.plots.draw``."""
+
+    knobs: tuple[Knob, ...] = ()
+    """Settings of the suite's methods swept after the learning rate (``knob_sweep_runs``)."""
 
 
 # ---------------------------------------------------------------------------------------------- run builders
@@ -161,22 +165,128 @@ def _sync_async_ef(*, ef: bool, extra: Callable[[Scale], dict[str, Any]] | None 
     return runs
 
 
-def _mitigation_variants(scale: Scale) -> dict[str, dict[str, Any]]:
-    k = max(1, scale.base.train.steps // 10)  # 10 % of the run, like the warmup
-    return {
-        "sync": SYNC, "async": ASYNC,
-        f"sync start ({k} steps)": {**ASYNC, "delay.sync_start_steps": k},
-        f"sync cooldown ({k} steps)": {**ASYNC, "delay.sync_cooldown_steps": k},
-        f"Taylor (lambda {TAYLOR_LAMBDA:g})": {**ASYNC, "delay.correction": "taylor",
-                                               "delay.taylor_lambda": TAYLOR_LAMBDA},
-        "Error Feedback": EF,
-        "Nesterov (Ajanthan et al.)": {**ASYNC, "delay.correction": "nesterov"},
-    }
+@dataclass(frozen=True, kw_only=True)
+class Knob:
+    """A mitigation and its own setting, swept like the learning rate (``knob_sweep_runs``)."""
+
+    method: str
+    """The method's row label (the runs' ``variant``)."""
+
+    key: str
+    """The config key swept; ``delay.sync_start_steps`` / ``delay.sync_cooldown_steps`` take a fraction of the
+    run's steps."""
+
+    ladder: tuple[float, ...]
+    """Every value the sweep may try, ascending: the grid and its extensions past each end."""
+
+    grid: tuple[float, ...]
+    """The first values tried (a run of consecutive ladder values)."""
+
+    default: float
+    """The untuned setting every seed runs (for the older methods, the setting the suite ran before it swept)."""
+
+    fixed: dict[str, Any]
+    """The method's other keys (schedule, correction, switches)."""
+
+    def overrides(self, scale: Scale, value: float) -> dict[str, Any]:
+        if self.key.startswith("delay.sync_"):  # a fraction of the run, in exact integer arithmetic
+            value = max(1, scale.base.train.steps * round(value * 1000) // 1000)
+        return {**self.fixed, self.key: value}
+
+    def label(self, scale_steps: int, value: float) -> str:
+        if self.key.startswith("delay.sync_"):
+            return f"{value:.3g} ({max(1, scale_steps * round(value * 1000) // 1000)} steps)"
+        return f"{value:g}"
+
+
+FRACTIONS = (0.025, 0.05, 0.1, 0.25, 0.5)
+DECADES = tuple(10.0**k for k in range(-2, 7))
+
+
+def mitigation_knobs() -> tuple[Knob, ...]:
+    """The ``mitigations`` suite's methods. Each grid is three consecutive ladder values; the learning rate's
+    budget (``Scale.lr_factors`` points ... ``Scale.lr_extend`` more past an end) applies to every knob.
+
+    Taylor's term ``lambda g*g*(x_t - x_{t-d})`` is tiny beside ``g`` (gradients of 1e-3, steps of 1e-3): on the
+    smoke scale the final loss moves by under 1e-6 at lambda 10, by 3e-4 at 1e3 and by 0.09-0.5 at 1e5, so its
+    grid starts at 1e2; DC-ASGD-a's term grows like ``|g|`` and acts from lambda about 1e2 (measured the same
+    way), so its grid is 1-100."""
+    return (
+        Knob(method="sync start", key="delay.sync_start_steps", ladder=FRACTIONS, grid=(0.05, 0.1, 0.25),
+             default=0.1, fixed=ASYNC),
+        Knob(method="sync cooldown", key="delay.sync_cooldown_steps", ladder=FRACTIONS, grid=(0.05, 0.1, 0.25),
+             default=0.1, fixed=ASYNC),
+        Knob(method="Taylor (DC-ASGD)", key="delay.taylor_lambda", ladder=DECADES, grid=(1e2, 1e3, 1e4),
+             default=TAYLOR_LAMBDA, fixed={**ASYNC, "delay.correction": "taylor"}),
+        Knob(method="Taylor adaptive (DC-ASGD-a)", key="delay.taylor_lambda", ladder=DECADES, grid=(1.0, 10.0, 100.0),
+             default=1.0, fixed={**ASYNC, "delay.correction": "taylor", "delay.taylor_adaptive": True}),
+        Knob(method="Error Feedback", key="delay.ef_beta", ladder=(0.125, 0.25, 0.5, 0.75, 1.0), grid=(0.5, 0.75, 1.0),
+             default=1.0, fixed=EF),
+        Knob(method="Nesterov (Ajanthan et al.)", key="delay.nesterov_gamma",
+             ladder=(0.5, 0.8, 0.9, 0.95, 0.99, 0.995, 0.999), grid=(0.9, 0.95, 0.99), default=0.99,
+             fixed={**ASYNC, "delay.correction": "nesterov"}),
+        Knob(method="weight prediction", key="delay.predict_scale", ladder=(0.125, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0),
+             grid=(0.5, 1.0, 2.0), default=1.0, fixed={**ASYNC, "delay.correction": "predict"}),
+    )
+
+
+def _knob_run(scale: Scale, optimizer: str, lr: float, knob: Knob, value: float, role: str, *,
+              seeds: bool) -> list[Run]:
+    tags = {"knob": knob.key, "value": value, "role": role}
+    runs = _runs(scale, optimizer, lr, knob.method, knob.overrides(scale, value), **tags)
+    return runs if seeds else runs[:1]  # seed 0 only: a sweep point
 
 
 def _mitigation_runs(scale: Scale, lrs: dict[str, float]) -> list[Run]:
-    return [run for opt, lr in lrs.items() for variant, over in _mitigation_variants(scale).items()
-            for run in _runs(scale, opt, lr, variant, over)]
+    """sync, async, and every method at its untuned default, every seed (the knob sweeps come on top)."""
+    out = []
+    for opt, lr in lrs.items():
+        out += _runs(scale, opt, lr, "sync", SYNC) + _runs(scale, opt, lr, "async", ASYNC)
+        for knob in mitigation_knobs():
+            out += _knob_run(scale, opt, lr, knob, knob.default, "default", seeds=True)
+    return out
+
+
+def knob_sweep_runs(scale: Scale, lrs: dict[str, float], knobs: tuple[Knob, ...]) -> list[Run]:
+    """Every knob's grid at seed 0, at the optimizer's chosen learning rate (the learning rate's protocol)."""
+    return [run for opt, lr in lrs.items() for knob in knobs for v in knob.grid
+            for run in _knob_run(scale, opt, lr, knob, v, "sweep", seeds=False)]
+
+
+def _tried(rows: Rows, optimizer: str, knob: Knob) -> dict[float, float]:
+    """``{value: final loss at seed 0}`` of the knob's sweep points so far (a diverged run is ``inf``)."""
+    return {r["value"]: math.inf if r["final_val_loss"] is None else r["final_val_loss"] for r in rows
+            if r["optimizer"] == optimizer and r["variant"] == knob.method and r["role"] == "sweep"}
+
+
+def knob_extension(scale: Scale, lrs: dict[str, float], knobs: tuple[Knob, ...], rows: Rows) -> list[Run]:
+    """The next sweep points: where a knob's best value is the highest (lowest) tried, the next ladder value past
+    it, if the ladder has one and it lies at most ``scale.lr_extend`` steps past the grid (as ``sweep_extension``)."""
+    out = []
+    for opt, lr in lrs.items():
+        for knob in knobs:
+            tried = _tried(rows, opt, knob)
+            if len(tried) < 2:
+                continue
+            best = min(tried, key=lambda v: (tried[v], v))
+            lo, hi = knob.ladder.index(knob.grid[0]), knob.ladder.index(knob.grid[-1])
+            i = knob.ladder.index(best)
+            if best == max(tried) and i + 1 < len(knob.ladder) and i + 1 - hi <= scale.lr_extend:
+                out += _knob_run(scale, opt, lr, knob, knob.ladder[i + 1], "sweep", seeds=False)
+            elif best == min(tried) and i >= 1 and lo - (i - 1) <= scale.lr_extend:
+                out += _knob_run(scale, opt, lr, knob, knob.ladder[i - 1], "sweep", seeds=False)
+    return out
+
+
+def knob_best_runs(scale: Scale, lrs: dict[str, float], knobs: tuple[Knob, ...], rows: Rows) -> list[Run]:
+    """Every knob at its best sweep point, every seed (seed 0 is the sweep's run)."""
+    out = []
+    for opt, lr in lrs.items():
+        for knob in knobs:
+            tried = _tried(rows, opt, knob)
+            best = min(tried, key=lambda v: (tried[v], v))
+            out += _knob_run(scale, opt, lr, knob, best, "best", seeds=True)
+    return out
 
 
 def _momentum_runs(scale: Scale, lrs: dict[str, float]) -> list[Run]:
@@ -285,19 +395,33 @@ def _momentum_table(rows: Rows) -> str:
 
 
 def _mitigations_table(rows: Rows) -> str:
-    opts = list(dict.fromkeys(r["optimizer"] for r in rows))
+    """Per optimizer: sync, async, then each method at its untuned default and at its best sweep point (mean
+    over seeds, gap recovered), with every sweep point (seed 0) and a best value still at the ladder's end."""
     out = []
-    for variant in dict.fromkeys(r["variant"] for r in rows):
-        row = [variant]
-        for opt in opts:
-            sync, delayed = losses(rows, variant="sync", optimizer=opt), losses(rows, variant="async", optimizer=opt)
-            mine = losses(rows, variant=variant, optimizer=opt)
-            rec = gap_recovered(mean(sync), mean(delayed), mean(mine)) if variant not in ("sync", "async") else math.nan
-            row += [fmt_mean(mine), fmt_pct(rec)]
-        out.append(row)
-    out.append(["noise floor (sync seeds)"] + [c for opt in opts for c in
-                                              (fmt(noise_floor(losses(rows, variant="sync", optimizer=opt))), "")])
-    return markdown_table(["method"] + [c for opt in opts for c in (opt, "gap recovered")], out)
+    knobs = {k.method: k for k in mitigation_knobs()}
+    for opt in dict.fromkeys(r["optimizer"] for r in rows):
+        mine = [r for r in rows if r["optimizer"] == opt]
+        steps = mine[0]["config"]["train"]["steps"]
+        sync, delayed = losses(mine, variant="sync"), losses(mine, variant="async")
+        noise = fmt(noise_floor(sync))
+        out.append([opt, "sync", "", fmt_mean(sync), "", "", "", f"noise floor {noise}"])
+        out.append([opt, "async (2BW, d=1)", "", fmt_mean(delayed), "", "", "", ""])
+        for method in dict.fromkeys(r["variant"] for r in mine if r.get("role")):
+            knob = knobs[method]
+            tried = _tried(mine, opt, knob)
+            best = min(tried, key=lambda v: (tried[v], v)) if tried else knob.default
+            cells = []
+            for role, value in (("default", knob.default), ("best", best)):
+                got = losses([r for r in mine if r.get("role") == role], variant=method, value=value)
+                rec = gap_recovered(mean(sync), mean(delayed), mean(got))
+                cells.append((f"{knob.label(steps, value)}: {fmt_mean(got)}", fmt_pct(rec)))
+            # A best value still at an end of the values tried (the budget or the ladder ended there), as for the rate.
+            edge = " (grid edge)" if len(tried) > 1 and best in (min(tried), max(tried)) else ""
+            sweep = "; ".join((f"**{knob.label(steps, v)}: {fmt(loss)}**" if v == best else
+                               f"{knob.label(steps, v)}: {fmt(loss)}") for v, loss in sorted(tried.items()))
+            out.append([opt, method, knob.key.removeprefix("delay."), *cells[0], *cells[1], f"{sweep}{edge}"])
+    return markdown_table(["optimizer", "method", "knob", "untuned default: loss", "gap recovered",
+                           "best setting: loss", "gap recovered", "sweep (seed 0, final val loss)"], out)
 
 
 def _schedules_table(rows: Rows) -> str:
@@ -351,7 +475,8 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
     Suite(name="momentum", title="The sync-async gap against momentum", optimizers=("adamw", "muon"),
           runs=_momentum_runs, table=_momentum_table, plots=(("momentum-gap", "gap"),)),
     Suite(name="mitigations", title="Mitigations of the one-step delay", optimizers=("adamw", "muon"),
-          runs=_mitigation_runs, table=_mitigations_table, plots=(("mitigations-curves", "curves"),)),
+          runs=_mitigation_runs, table=_mitigations_table, plots=(("mitigations-curves", "curves"),),
+          knobs=mitigation_knobs()),
     Suite(name="schedules", title="PipeDream vs 2BW vs WPipe against pipeline depth", optimizers=("adamw", "muon"),
           runs=_schedule_runs, table=_schedules_table, plots=(("schedules-gap", "gap"),)),
     Suite(name="sensitivity", title="Batch size, learning rate and weight decay", optimizers=("adamw", "muon"),
