@@ -36,13 +36,17 @@ from bubblefree.train.sim import SimExecutor
 RTOL = 1e-5
 
 
-def _config(schedule: str, stages: int, microbatches: int, *, steps: int = 5, sync_start: int = 0) -> Config:
+def _config(schedule: str, stages: int, microbatches: int, *, steps: int = 5, sync_start: int = 0,
+            correction: str = "ef", cooldown: int = 0) -> Config:
     c = Config()
     c.pipeline.schedule, c.pipeline.stages, c.pipeline.microbatches = schedule, stages, microbatches
     c.train.steps, c.train.batch_size, c.train.seq_len = steps, 2 * microbatches, 16
     c.train.device, c.train.eval_batches = "cpu", 2
     c.optim.name, c.optim.lr = "adamw", 1e-2
-    c.delay.correction, c.delay.sync_start_steps = "ef", sync_start
+    c.delay.correction, c.delay.sync_start_steps, c.delay.sync_cooldown_steps = correction, sync_start, cooldown
+    # each correction's knob away from its default and large enough to move the trajectory (lambda: DC-ASGD-a)
+    c.delay.taylor_lambda, c.delay.taylor_adaptive = 1.0, correction == "taylor"
+    c.delay.nesterov_gamma, c.delay.predict_scale, c.delay.ef_beta = 0.8, 1.5, 0.75
     return c
 
 
@@ -112,6 +116,44 @@ def test_runtime_matches_simulation(tmp_path, schedule, stages, micro, sync_star
              resume_at=resume_at, n_experts=experts)
 
 
+@pytest.mark.parametrize(("correction", "schedule", "stages", "micro", "sync_start", "cooldown"), [
+    # every correction at P = 2 (2BW, delay 1) and P = 3 (PipeDream, delays 2, 1, 0: stashed and live-weight
+    # versions), each with a synchronous start or cooldown at one of the two depths
+    ("none", "2bw", 2, 2, 2, 0), ("none", "pipedream", 3, 2, 0, 2),
+    ("ef", "2bw", 2, 2, 0, 2), ("ef", "pipedream", 3, 2, 1, 0),
+    ("taylor", "2bw", 2, 2, 1, 0), ("taylor", "pipedream", 3, 2, 0, 2),
+    ("nesterov", "2bw", 2, 2, 0, 2), ("nesterov", "pipedream", 3, 2, 1, 0),
+    ("predict", "2bw", 2, 2, 0, 2), ("predict", "pipedream", 3, 2, 1, 0),
+])
+def test_every_correction_on_the_runtime_matches_simulation(tmp_path, correction, schedule, stages, micro,
+                                                            sync_start, cooldown):
+    config = _config(schedule, stages, micro, steps=6, correction=correction, sync_start=sync_start,
+                     cooldown=cooldown)
+    _compare(tmp_path, config, stages)
+    if correction != "none":  # the correction moves the weights far beyond the tolerance: it was really run
+        sims = [SimExecutor(c, tiny_model(c.train.seed), tiny_data()) for c in (config, _config(
+            schedule, stages, micro, steps=6, correction="none", sync_start=sync_start, cooldown=cooldown))]
+        for sim in sims:
+            run(sim, config, 0, config.train.steps)
+        assert _weights_rel({"stages": [{"module": sims[0].model.state_dict()}]}, sims[1].model.state_dict()) \
+            > 100 * RTOL
+
+
+def test_cooldown_flush_on_the_runtime_gives_the_simulation_weights(tmp_path):
+    """EF's pending corrections are flushed (x <- z) where the cooldown drains the pipeline, on every stage
+    locally: the runtime's weights after the run are the simulation's, and the flush is far above the tolerance."""
+    config = _config("pipedream", 3, 2, steps=6, cooldown=3)
+    config.delay.ef_beta = 1.0
+    sim = SimExecutor(config, tiny_model(config.train.seed), tiny_data())
+    run(sim, config, 0, 2)  # the last asynchronous step is 2: the flush comes at its end
+    pending = [sum(u.double() for u in ring if u is not None) for ring in sim.delayed._ef if ring]
+    flush = math.sqrt(sum(float(x.norm()) ** 2 for x in pending))
+    weights = math.sqrt(sum(float(p.detach().double().norm()) ** 2 for p in sim.model.parameters()))
+    assert flush / weights > 100 * RTOL
+    rel = _compare(tmp_path, config, 3)
+    assert rel["weights"] < RTOL
+
+
 def test_data_x_pipeline_2x2_matches_simulation(tmp_path):
     _compare(tmp_path, _config("2bw", 2, 4), nprocs=4, eval_at=(1,))
 
@@ -177,6 +219,7 @@ def test_cli_reports_a_user_error_inside_the_ranks_in_one_line(tmp_path):
                   "--out", str(tmp_path / "run"))
     assert result.returncode == 2, result.stderr
     assert result.stderr.count("\n") == 1 and result.stderr.startswith("bubblefree: error: Invalid pipeline.schedule")
+    assert "two partitions per process" in result.stderr  # it says why
 
 
 def test_killed_rank_ends_the_run_naming_it(tmp_path, monkeypatch):

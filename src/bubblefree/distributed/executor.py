@@ -87,6 +87,9 @@ class DistributedExecutor:
         from bubblefree.schedules import stage_delays
 
         cfg, pipe = config, config.pipeline
+        if pipe.schedule == "wpipe":
+            raise ValueError("Invalid pipeline.schedule: 'wpipe' (the distributed runtime has no WPipe loop: two "
+                             "partitions per process updating alternately; run it with pipeline.runtime = sim)")
         if pipe.schedule not in ASYNC_SCHEDULES + _SYNC_SCHEDULES:
             raise ValueError(f"Invalid pipeline.schedule: {pipe.schedule!r} (the distributed runtime runs "
                              f"{', '.join(_SYNC_SCHEDULES + ASYNC_SCHEDULES)})")
