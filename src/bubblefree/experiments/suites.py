@@ -188,15 +188,17 @@ class Knob:
     fixed: dict[str, Any]
     """The method's other keys (schedule, correction, switches)."""
 
-    def overrides(self, scale: Scale, value: float) -> dict[str, Any]:
-        if self.key.startswith("delay.sync_"):  # a fraction of the run, in exact integer arithmetic
-            value = max(1, scale.base.train.steps * round(value * 1000) // 1000)
-        return {**self.fixed, self.key: value}
+    def setting(self, steps: int, value: float) -> float | int:
+        """The config value: ``value`` itself, or for a synchronous switch that fraction of ``steps`` (at least
+        one step, in exact integer arithmetic so 10 % is ``steps // 10``, the suite's earlier choice)."""
+        return max(1, steps * round(value * 1000) // 1000) if self.key.startswith("delay.sync_") else value
 
-    def label(self, scale_steps: int, value: float) -> str:
-        if self.key.startswith("delay.sync_"):
-            return f"{value:.3g} ({max(1, scale_steps * round(value * 1000) // 1000)} steps)"
-        return f"{value:g}"
+    def overrides(self, scale: Scale, value: float) -> dict[str, Any]:
+        return {**self.fixed, self.key: self.setting(scale.base.train.steps, value)}
+
+    def label(self, steps: int, value: float) -> str:
+        setting = self.setting(steps, value)
+        return f"{value:.3g} ({setting} steps)" if setting != value else f"{value:g}"
 
 
 FRACTIONS = (0.025, 0.05, 0.1, 0.25, 0.5)
@@ -204,8 +206,9 @@ DECADES = tuple(10.0**k for k in range(-2, 7))
 
 
 def mitigation_knobs() -> tuple[Knob, ...]:
-    """The ``mitigations`` suite's methods. Each grid is three consecutive ladder values; the learning rate's
-    budget (``Scale.lr_factors`` points ... ``Scale.lr_extend`` more past an end) applies to every knob.
+    """The ``mitigations`` suite's methods. Each grid is three consecutive ladder values, as many points as the
+    learning rate's grid at the cpu, gpu and long scales (smoke's rate grid has two), and it extends past an end
+    by up to ``Scale.lr_extend`` ladder values, as the rate's does.
 
     Taylor's term ``lambda g*g*(x_t - x_{t-d})`` is tiny beside ``g`` (gradients of 1e-3, steps of 1e-3): on the
     smoke scale the final loss moves by under 1e-6 at lambda 10, by 3e-4 at 1e3 and by 0.09-0.5 at 1e5, so its
