@@ -4,6 +4,13 @@ import os
 
 import pytest
 import torch
+from hypothesis import settings
+
+# Hypothesis draws its examples from a seed derived from each test's name, so every run tests the same cases
+# (a failure prints the example and its reproduction blob). HYPOTHESIS_PROFILE=random explores new ones.
+settings.register_profile("fixed", derandomize=True, print_blob=True)
+settings.register_profile("random", derandomize=False, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "fixed"))
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from bubblefree.models import ModelArgs, Transformer
 from bubblefree.optim.schedule import lr_scale
-from bubblefree.train.config import Config
+from bubblefree.config import Config
 
 VOCAB = 64
 

@@ -86,7 +86,7 @@ def test_real_rows_are_predicted_from_their_own_measured_costs(tmp_path, schedul
     from bubblefree.bench.pipeline import _analyse
     from bubblefree.schedules.ir import build_schedule
     from bubblefree.schedules.timeline import Costs, simulate
-    from bubblefree.train.config import load_config
+    from bubblefree.train.presets import load_config
 
     P, M, T, costs = 2, 4, 6, Costs(0.007, 0.013, 0.0, update=0.047)
     tl = simulate(build_schedule(schedule, P, M, steps=T), costs)

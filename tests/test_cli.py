@@ -16,7 +16,7 @@ import pytest
 
 from bubblefree.cli import main
 from bubblefree.data import load_tokens
-from bubblefree.train.config import DataConfig, config_diff, config_from_dict, read_toml
+from bubblefree.config import DataConfig, config_diff, config_from_dict, read_toml
 from bubblefree.train.metrics import read_metrics
 from bubblefree.train.presets import smoke
 from bubblefree.train.sim import SimExecutor

@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bubblefree.config import (Config, apply_overrides, config_diff, config_from_dict, dump_toml, field_docs,
+                               parse_override, validate)
 from bubblefree.errors import UserError
-from bubblefree.train.config import (Config, apply_overrides, config_diff, config_from_dict, dump_toml,
-                                     field_docs, load_config, parse_override, validate)
-from bubblefree.train.presets import PRESETS
+from bubblefree.train.presets import PRESETS, load_config
 
 
 def roundtrip(config: Config) -> Config:
@@ -133,11 +133,66 @@ def test_missing_config_file(tmp_path):
     ("data.tokenizer=wordpiece", "data.tokenizer"),
     ("model.preset=lama-5m", "model.preset: 'lama-5m' (did you mean 'llama-5m'?); choose from"),
     ("pipeline.microbatches=3", "train.batch_size: 16 (must be divisible by pipeline.microbatches = 3)"),
+    ("delay.ef_beta=1.5", "delay.ef_beta: 1.5 (must be in [0, 1])"),
+    ("train.nonfinite=skip,pipeline.runtime=distributed", "train.nonfinite: 'skip' needs pipeline.runtime = 'sim'"),
+    ("pipeline.runtime=distributed,pipeline.schedule=wpipe", "pipeline.schedule: 'wpipe' (the distributed runtime runs"),
+    ("pipeline.runtime=distributed,pipeline.stages=4", "pipeline.microbatches: 2 (2bw keeps two weight versions"),
+    ("pipeline.runtime=distributed,pipeline.schedule=1f1b,pipeline.stages=4",
+     "pipeline.microbatches: 2 (1f1b needs at least P = 4 microbatches per step and replica"),
 ])
 def test_validate_names_the_bad_key(override, fragment):
     with pytest.raises(UserError) as info:
-        load_config("demo", None, [override])
+        load_config("demo", None, override.split(","))
     assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["optim.name=soap", "optim.max_precond_dim=500"],
+    ["optim.name=mars", "optim.adamw_lr=0.001"],
+    ["pipeline.runtime=distributed", "pipeline.schedule=sync", "pipeline.stages=4"],  # GPipe, said once
+    ["pipeline.schedule=1f1b", "pipeline.stages=4"],  # the simulation has no microbatch order
+])
+def test_validate_accepts(overrides):
+    load_config("demo", None, overrides)
+
+
+def test_keys_the_optimizer_does_not_use_are_named():
+    from bubblefree.config import unused_keys
+
+    assert unused_keys(load_config("demo", None, ["optim.name=soap", "optim.max_precond_dim=500"])) == []
+    assert unused_keys(load_config("demo", None, ["optim.adamw_lr=0.001"])) == []
+    assert unused_keys(load_config("demo", None, ["optim.name=adamw", "optim.max_precond_dim=500",
+                                                  "optim.adamw_lr=0.001"])) == [
+        "optim.adamw_lr = 0.001 does nothing for optim.name = 'adamw' (it applies only to muon and mars)",
+        "optim.max_precond_dim = 500 does nothing for optim.name = 'adamw' (it applies only to soap)"]
+
+
+def test_replica_rules_use_the_replica_count():
+    config = load_config("demo", None, ["pipeline.microbatches=4"])
+    validate(config, replicas=2)  # 2 microbatches per replica, P = 2
+    with pytest.raises(UserError, match="multiple of the 3 replicas"):
+        validate(config, replicas=3)
+    with pytest.raises(UserError, match="2bw keeps two weight versions"):
+        validate(config, replicas=4)
+
+
+def test_choices_are_the_registries():
+    """The config lists the names the registries above it own; each list must be its registry's."""
+    from bubblefree.config import CHOICES, DISTRIBUTED_SCHEDULES, OptimConfig
+    from bubblefree.delay import CORRECTIONS
+    from bubblefree.distributed import ASYNC_SCHEDULES
+    from bubblefree.models import PRESETS as MODEL_PRESETS
+    from bubblefree.optim import OPTIMIZERS
+    from bubblefree.schedules import SCHEDULES
+
+    assert CHOICES["model.preset"] == tuple(MODEL_PRESETS)
+    assert CHOICES["optim.name"] == tuple(OPTIMIZERS)
+    assert CHOICES["pipeline.schedule"] == SCHEDULES
+    assert CHOICES["delay.correction"] == CORRECTIONS
+    assert set(ASYNC_SCHEDULES) <= set(DISTRIBUTED_SCHEDULES) <= set(SCHEDULES)
+    only_for = {f.name: f.metadata.get("only_for") for f in dataclasses.fields(OptimConfig)}
+    assert set(only_for["adamw_lr"]) == {name for name, spec in OPTIMIZERS.items() if spec.route_key}
+    assert set(only_for["max_precond_dim"]) == {name for name, spec in OPTIMIZERS.items() if spec.cls.__name__ == "SOAP"}
 
 
 def test_every_field_is_documented_and_typed():
@@ -152,7 +207,14 @@ def test_every_field_is_documented_and_typed():
 def test_docs_config_reference_is_up_to_date():
     from pathlib import Path
 
-    from bubblefree.train.config import reference_markdown
+    from bubblefree.config import reference_markdown
 
     docs = (Path(__file__).resolve().parents[1] / "docs" / "training.md").read_text()
     assert reference_markdown() in docs, "regenerate the reference in docs/training.md (see its note)"
+
+
+def test_generated_docs_are_up_to_date():
+    from bubblefree.docs import generate
+
+    for path, text in generate().items():
+        assert path.read_text(encoding="utf-8") == text, f"{path} is out of date: run python -m bubblefree.docs"

@@ -35,7 +35,7 @@ from bubblefree.data import (
 from bubblefree.data.cache import atomic_write, resolve_cache_dir, stream_dtype
 from bubblefree.data.shards import MAGIC
 from bubblefree.errors import UserError
-from bubblefree.train.config import DataConfig
+from bubblefree.config import DataConfig
 
 
 VOCAB = DataConfig().vocab_size  # the BPE users get by default

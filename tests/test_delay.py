@@ -1,4 +1,4 @@
-"""DelayedOptimizer and the schedule delay table against independent float64 recursions of DESIGN.md section 1.
+"""DelayedOptimizer and the schedule delay table against independent float64 recursions of docs/spec.md.
 
 The references below keep the whole history (every ``x_j`` and ``u_j``) in numpy and index it directly, so
 they share nothing with the ring buffers, storage swaps and phase switches of the implementation.
@@ -82,7 +82,8 @@ class RefAdamW:
 
 
 def reference(opt, delays, correction, *, T, beta=1.0, lam=0.0, gamma=0.9, ks=0, kc=0, adaptive=False, alpha=1.0):
-    """DESIGN.md section 1 written out with full histories; returns x_1..x_T (y_1..y_T for Nesterov)."""
+    """docs/spec.md sections 3, 5, 6 and docs/delay.md (DC-ASGD-a, weight prediction) written out with full
+    histories; returns x_1..x_T (y_1..y_T for Nesterov)."""
     inner = RefAdamW() if opt.startswith("adamw") else RefSGDM()
     d = np.repeat(delays, SIZES)
     is_async = lambda t: ks <= t < T - kc  # noqa: E731
@@ -203,7 +204,7 @@ def test_build_delayed_passes_every_key_of_the_delay_section():
     import dataclasses
 
     from bubblefree.delay import build_delayed
-    from bubblefree.train.config import DelayConfig
+    from bubblefree.config import DelayConfig
 
     values = dict(correction="taylor", ef_beta=0.5, taylor_lambda=2.0, taylor_adaptive=True, nesterov_gamma=0.9,
                   predict_scale=0.5, sync_start_steps=1, sync_cooldown_steps=2)

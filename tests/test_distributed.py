@@ -28,7 +28,8 @@ from distributed_worker import run, tiny_data, tiny_model, worker
 
 from bubblefree.distributed import PipelineFailure, launch_local
 from bubblefree.schedules.ir import one_f_one_b_order
-from bubblefree.train.config import Config, load_config
+from bubblefree.config import Config
+from bubblefree.train.presets import load_config
 from bubblefree.train.loop import train
 from bubblefree.train.metrics import read_metrics
 from bubblefree.train.sim import SimExecutor
@@ -172,7 +173,7 @@ def test_one_f_one_b_order_runs_every_unit_once_in_order():
 @pytest.mark.parametrize("P", [1, 2, 3, 4, 8])
 def test_forwards_done_is_the_closed_form_of_the_order(P):
     """What drains and receives posted ahead rely on: forwards a stage has run when a backward ends."""
-    from bubblefree.distributed.executor import forwards_done
+    from bubblefree.distributed.async_loop import forwards_done
 
     for stage in range(P):
         for segment in [(0, 1), (3, 5), (6, 14), (10, 10 + 3 * P)]:

@@ -1,7 +1,8 @@
 """Conformance tests for the optimizers, driven by one table of cases (``CASES``).
 
-Every case feeds the same fresh random gradients (seeded from ``os.urandom``; the seed is in the test id
-output on failure) to ours and to an installed reference for 30 steps and compares the trajectories.
+Every case feeds the same random gradients (from the fixed :data:`SEED`) to ours and to an installed
+reference for 30 steps and compares the trajectories. AdamW's and Muon's references are torch's; the others
+are pytorch-optimizer's, and a case whose reference is not installed is skipped on its own.
 The error measure is ``||x_ours - x_ref|| / ||x_ref - x_0||``: relative to how far the parameters moved, the
 strictest scale (a relative error of the parameters themselves would be ~100x smaller here).
 """
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import os
 from dataclasses import dataclass
 from typing import Any, Callable
 from unittest import mock
@@ -21,17 +21,25 @@ from torch import Tensor, nn
 
 import bubblefree.optim as bo
 from bubblefree.optim import OPTIMIZERS, build_optimizer
-from bubblefree.train.config import OptimConfig
+from bubblefree.config import OptimConfig
 
-pytorch_optimizer = pytest.importorskip("pytorch_optimizer")
 
 STEPS = 30
 MATRICES = [(24, 16), (16, 24), (24, 16), (20, 20)]
 MIXED = MATRICES + [(16,), (3, 8, 12)]
 
 
+SEED = 1234
+"""The seed of every test's parameters and gradients."""
+
+
 def _seed() -> int:
-    return int.from_bytes(os.urandom(4), "little")
+    return SEED
+
+
+def _pytorch_optimizer():
+    """The reference package of SOAP, Adan, Lion and MARS, or a skip of the one test that needs it."""
+    return pytest.importorskip("pytorch_optimizer", reason="the test extra's pytorch-optimizer is not installed")
 
 
 @dataclass
@@ -78,25 +86,25 @@ CASES: dict[str, Case] = {
         why="same fp32 NS math; batched bmm versus addmm and fp32 rounding: 2e-6 observed"),
     "lion": Case(
         ours=lambda ps, **kw: bo.Lion(ps, lr=1e-3, betas=(0.95, 0.98), weight_decay=0.5, **kw),
-        reference=lambda ps: pytorch_optimizer.Lion(ps, lr=1e-3, betas=(0.95, 0.98), weight_decay=0.5),
+        reference=lambda ps: _pytorch_optimizer().Lion(ps, lr=1e-3, betas=(0.95, 0.98), weight_decay=0.5),
         shapes=MIXED, tol=1e-6,
         why="identical lerp and sign (the signs agree bitwise); only the decay's rounding differs"),
     "adan": Case(
         ours=lambda ps, **kw: bo.Adan(ps, lr=1e-2, weight_decay=0.05, **kw),
-        reference=lambda ps: pytorch_optimizer.Adan(ps, lr=1e-2, weight_decay=0.05),
+        reference=lambda ps: _pytorch_optimizer().Adan(ps, lr=1e-2, weight_decay=0.05),
         shapes=MIXED, tol=1e-5,
         why="same operations in float32; proximal decay computed as (s + lr wd x)/(1 + lr wd) instead of "
             "(x - s)/(1 + lr wd), a few ulps of x per step"),
     "mars": Case(
         ours=lambda ps, **kw: bo.MARS(_split(ps, "use_mars"), lr=1e-2, weight_decay=0.1, adamw_lr=5e-3, **kw),
-        reference=lambda ps: pytorch_optimizer.MARS(ps, lr=1e-2, weight_decay=0.1, lr_1d=5e-3,
+        reference=lambda ps: _pytorch_optimizer().MARS(ps, lr=1e-2, weight_decay=0.1, lr_1d=5e-3,
                                                     weight_decay_1d=0.1),
         shapes=MIXED[:-1] + [(16,), (8,)], tol=1e-5,
         why="same float32 math for matrices; the 1-D AdamW part places eps as torch does, po inside the sqrt "
             "(relative eps / sqrt(v) ~ 1e-8 here)", tol64=1e-6),
     "soap": Case(
         ours=lambda ps, **kw: bo.SOAP(ps, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, precondition_frequency=3, **kw),
-        reference=lambda ps: pytorch_optimizer.SOAP(ps, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1,
+        reference=lambda ps: _pytorch_optimizer().SOAP(ps, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1,
                                                     precondition_frequency=3),
         shapes=MIXED, tol=1e-6,
         why="the reference's float32 operations, so the state is bit-identical (tests/test_soap.py checks it); "

@@ -22,14 +22,14 @@ from bubblefree.models import PRESETS as MODEL_PRESETS
 from bubblefree.models import build_model
 from bubblefree.optim import OPTIMIZERS
 from bubblefree.schedules.delays import n_partitions
-from bubblefree.train.config import apply_overrides, config_to_dict, validate
+from bubblefree.config import apply_overrides, config_to_dict, validate
 
 
 def test_noise_floor_and_gap_recovered_by_hand():
     # pairs (1.0, 1.2), (1.0, 1.1), (1.2, 1.1): |differences| 0.2, 0.1, 0.1 -> mean 0.4 / 3
     assert noise_floor([1.0, 1.2, 1.1]) == pytest.approx(0.4 / 3, abs=1e-12)
     assert math.isnan(noise_floor([1.0]))
-    # the paper's AdamW row (DESIGN.md section 2): (2.890 - 2.640) / (2.890 - 2.612) = 0.8993
+    # the paper's AdamW row (docs/spec.md section 8): (2.890 - 2.640) / (2.890 - 2.612) = 0.8993
     assert gap_recovered(2.612, 2.890, 2.640) == pytest.approx(0.25 / 0.278, abs=1e-12)
     assert math.isnan(gap_recovered(3.0, 2.9, 2.8))  # no gap: nothing to recover
 
@@ -304,6 +304,9 @@ def test_overrides_change_the_base_run_enter_every_id_and_the_table(tmp_path, mo
     table = (tmp_path / "out" / "error-feedback.md").read_text()
     assert (f"`data.source` 'embedded' -> '{text}', `train.steps` 40 -> 30, `train.batch_size` 8 -> 4"
             in " ".join(table.split())) and "--set train.steps=30" in table
+    from bubblefree.experiments.reproduce import tables
+
+    assert tables(tmp_path / "out", "error-feedback") in table  # rebuilt from the JSON on the changed base run
 
 
 def test_overrides_are_checked_before_any_run(tmp_path, monkeypatch, capsys):
@@ -396,3 +399,39 @@ def test_mitigations_suite_end_to_end_at_smoke_scale(tmp_path):
         row = next(line for line in results.splitlines() if line.startswith(f"| muon | {knob.method} |"))
         assert row.count("**") == 2 and len(row.split(";")) == len(knob.grid), row
     assert (out / "mitigations-curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from bubblefree.experiments.reproduce import tables
+
+    assert tables(out, "mitigations") in text  # the knob sweep and the budget rebuilt from the JSON too
+
+
+def test_docs_tables_are_rebuilt_from_the_results_json(tmp_path, monkeypatch):
+    """``python -m bubblefree.docs`` splices into docs/ exactly the tables ``reproduce`` wrote, from the JSON
+    alone (stand-in runs: a loss that depends on the optimizer, rate, schedule, correction and seed)."""
+    from bubblefree.docs import generate
+    from bubblefree.experiments.reproduce import tables
+
+    def fake(run, work, **kw):
+        c = run.config
+        loss = (4.0 + abs(math.log2(c.optim.lr / OPTIMIZERS[c.optim.name].lr) - 0.7)
+                + 0.3 * (c.pipeline.schedule != "sync") - 0.2 * (c.delay.correction == "ef") + 0.01 * c.train.seed)
+        return {"id": run_id(run), "config": config_to_dict(c), "final_val_loss": loss, "val_curve": [[1, 1, loss]],
+                "train_curve": [[1, 1, loss]], "tokens_per_s": 1.0, "wall_time_s": 1.0, "commit": "c", "machine": "m"}
+
+    monkeypatch.setattr(runner_module, "_execute", fake)
+    out = tmp_path / "results" / "smoke"
+    reproduce("error-feedback", scale="smoke", out=out, optimizers=("adamw", "muon"), progress=False, jobs=1)
+    written = (out / "error-feedback.md").read_text()
+    assert tables(out, "error-feedback") in written and "| adamw |" in tables(out, "error-feedback")
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "training.md").write_text("<!-- config-reference:begin -->\n<!-- config-reference:end -->\n")
+    part = "results:smoke/error-feedback"
+    (docs / "results.md").write_text(f"Before.\n\n<!-- {part}:begin -->\nstale\n<!-- {part}:end -->\n\nAfter.\n")
+    new = generate(docs, tmp_path / "results")[docs / "results.md"]
+    assert new == (f"Before.\n\n<!-- {part}:begin -->\n{tables(out, 'error-feedback', heading='####')}"
+                   f"<!-- {part}:end -->\n\nAfter.\n")
+
+    (out / "runs" / f"{min(p.stem for p in (out / 'runs').glob('*.json'))}.json").unlink()
+    with pytest.raises(ValueError, match="lacks 1 run"):
+        tables(out, "error-feedback")

@@ -1,6 +1,6 @@
 """SOAP (bubblefree.optim.soap) against pytorch-optimizer 4.1.0's SOAP and against a hand derivation.
 
-Every test draws a fresh seed from ``os.urandom`` and prints it on failure. Gradients are fresh random
+Every test takes its parameters and gradients from the fixed :data:`SEED`. Gradients are random
 tensors, not functions of the parameters, so the optimizer state (GG, Q, exp_avg, exp_avg_sq) depends on
 the gradients alone: running the reference's floating-point operations on the same gradients must give
 the *same bits* of state, even where the eigenbasis is ambiguous (the null space of G G^T for a wide
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import io
 import math
-import os
 
 import pytest
 import torch
@@ -20,7 +19,6 @@ from torch import Tensor, nn
 from bubblefree.optim.base import apply_updates
 from bubblefree.optim.soap import SOAP
 
-pytorch_optimizer = pytest.importorskip("pytorch_optimizer")
 
 STEPS = 31
 PF = 3  # refreshes at k = 3, 6, ..., 30: ten QR power iterations in a run
@@ -32,8 +30,17 @@ HP = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, precondition_frequency=P
 
 
 
+SEED = 1234
+"""The seed of every test's parameters and gradients."""
+
+
 def _seed() -> int:
-    return int.from_bytes(os.urandom(4), "little")
+    return SEED
+
+
+def _pytorch_optimizer():
+    """The reference package, or a skip of the one test that compares against it."""
+    return pytest.importorskip("pytorch_optimizer", reason="the test extra's pytorch-optimizer is not installed")
 
 
 def _params(seed: int, dtype=torch.float32) -> list[nn.Parameter]:
@@ -52,7 +59,7 @@ def _ours(params, **kw) -> SOAP:
 
 
 def _reference(params) -> torch.optim.Optimizer:
-    return pytorch_optimizer.SOAP(params, max_precondition_dim=MAX_DIM, **HP)
+    return _pytorch_optimizer().SOAP(params, max_precondition_dim=MAX_DIM, **HP)
 
 
 def _run(opt, params, grads) -> None:
@@ -122,7 +129,7 @@ def test_precondition_1d_matches_pytorch_optimizer_soap():
     grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(10)]
     ours, ref = ([nn.Parameter(x.clone()) for x in x0] for _ in range(2))
     _run(_ours(ours, precondition_1d=True), ours, grads)
-    _run(pytorch_optimizer.SOAP(ref, max_precondition_dim=MAX_DIM, precondition_1d=True, **HP), ref, grads)
+    _run(_pytorch_optimizer().SOAP(ref, max_precondition_dim=MAX_DIM, precondition_1d=True, **HP), ref, grads)
     err = _rel(ours, ref, x0)
     assert err <= 1e-6 + 10 / STEPS * _write_rounding_bound(x0, ref), f"seed={seed}: {err:.3g}"
 

@@ -1,4 +1,4 @@
-"""The ``bubblefree`` command (DESIGN.md section 6).
+"""The ``bubblefree`` command (docs/training.md, docs/schedules.md, docs/throughput.md, docs/results.md).
 
     bubblefree train [--preset NAME] [--config FILE.toml] [--set KEY=VALUE ...] [--out DIR]
                      [--resume DIR | --resume DIR/checkpoints/step_NNNNNNNN.pt]
@@ -21,11 +21,10 @@ import importlib
 import os
 import sys
 import time
-import traceback
 from pathlib import Path
 
 from bubblefree import __version__
-from bubblefree.errors import UserError
+from bubblefree.errors import UserError, exit_code
 
 __all__ = ["BENCHMARKS", "build_parser", "exit_code", "main"]
 
@@ -117,7 +116,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _train(args: argparse.Namespace) -> int:
     from bubblefree.train.loop import check_fresh_out_dir, train
-
     from bubblefree.train.presets import run_dir, train_config
 
     config = train_config(args.preset, args.config, args.overrides, args.resume)
@@ -131,11 +129,14 @@ def _train(args: argparse.Namespace) -> int:
     else:
         out_dir = Path(args.out or f"runs/{args.preset or 'demo'}-{time.strftime('%Y%m%d-%H%M%S')}")
         check_fresh_out_dir(out_dir)
-    if config.pipeline.runtime == "distributed" and "RANK" not in os.environ:
-        # One process per stage; rank 0 runs this same training loop with the distributed executor.
-        from bubblefree.distributed import launch_local
+    if config.pipeline.runtime == "distributed":
+        # One process per stage; every rank runs this same training loop with the distributed executor.
+        from bubblefree.distributed import launch_local, run_worker
 
-        launch_local(config, out_dir, resume=resume)
+        if "RANK" in os.environ:  # started by torchrun: this process is one rank
+            run_worker(config, out_dir=out_dir, resume=resume)
+        else:
+            launch_local(config, out_dir, resume=resume)
     else:
         train(config, out_dir=out_dir, resume=resume)
     return 0
@@ -214,26 +215,6 @@ def main(argv: list[str] | None = None) -> int:
                 "export": _export}[args.command](args)
     except (Exception, KeyboardInterrupt) as e:
         return exit_code(e)
-
-
-def exit_code(e: BaseException) -> int:
-    """Report a failure the way every bubblefree entry point does and return its exit code: 2 invalid input
-    (one line), 3 a diverged run (one line naming the step and the last good checkpoint), 130 interrupted,
-    1 anything else (with its traceback: a bug)."""
-    if isinstance(e, UserError):
-        print(f"bubblefree: error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
-    if isinstance(e, KeyboardInterrupt):  # a stopped run's message says where its checkpoint is
-        if str(e) or type(e) is KeyboardInterrupt:  # the other ranks of a distributed run stop silently
-            print(f"bubblefree: {str(e) or 'interrupted'}", file=sys.stderr)
-        return 130
-    from bubblefree.train.loop import TrainingDiverged  # here: only a failure pays for importing torch
-
-    if isinstance(e, TrainingDiverged):
-        print(f"bubblefree: error: {e}", file=sys.stderr)
-        return 3
-    traceback.print_exception(e)
-    return 1
 
 
 if __name__ == "__main__":

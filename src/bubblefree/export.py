@@ -45,7 +45,7 @@ def load_run_model(source: str | Path) -> tuple[Any, Any, Any]:
     from bubblefree.data import load_tokens
     from bubblefree.models import build_model
     from bubblefree.train.checkpoint import load_checkpoint
-    from bubblefree.train.config import config_from_dict
+    from bubblefree.config import config_from_dict
 
     path = _checkpoint_path(source)
     ckpt = load_checkpoint(path)
@@ -95,7 +95,7 @@ def export_hf(source: str | Path, out: str | Path) -> Path:
         raise UserError("Invalid export: --format hf needs transformers: pip install 'bubblefree[hf]'") from None
     from bubblefree.data.tokenizer import BPETokenizer, ByteTokenizer
     from bubblefree.models.llama import to_hf_llama
-    from bubblefree.train.config import dump_toml
+    from bubblefree.config import dump_toml
 
     out = Path(out)
     if out.exists():

@@ -4,8 +4,7 @@
 :class:`~bubblefree.delay.DelayedOptimizer` for delay 1 and 2 with EF: ``d`` stashed versions plus ``d``
 update buffers, i.e. exactly ``2 d`` times the parameter bytes, nothing more.
 
-*Step time.* The 13 transformer-shaped fp32 matrices of research/optimizers.md section 3 (d = 512, 9.96M
-parameters). For AdamW and Muon, three copies run side by side: the bare ``opt.step()``, delay 1, and
+*Step time.* 13 transformer-shaped fp32 matrices (:data:`SHAPES`: model width 512, 9.96M parameters). For AdamW and Muon, three copies run side by side: the bare ``opt.step()``, delay 1, and
 delay 1 + EF, each timed over ``with stale_params(): pass`` plus ``step()`` (the swaps and the update; the
 forward and backward are the same in all three and are not run). Fresh random gradients each step, the same
 for all copies. The copies alternate step by step so load from other processes hits all alike; medians.
@@ -26,12 +25,13 @@ import torch
 from torch import nn
 
 from bubblefree.delay import DelayedOptimizer
+from bubblefree.models import build_model
 from bubblefree.optim import AdamW, Muon
 
 __all__ = ["SHAPES", "memory", "run", "step_times"]
 
 SHAPES: tuple[tuple[int, int], ...] = ((1536, 512), (512, 512), (2048, 512), (512, 2048)) * 3 + ((1024, 512),)
-"""research/optimizers.md section 3: three blocks of QKV, out, MLP up and down matrices plus one 1024 x 512."""
+"""Three transformer blocks of width 512 (fused QKV, attention output, MLP up and down) plus one 1024 x 512."""
 
 
 def _fake_grads(params: list[nn.Parameter], seed: int) -> None:
@@ -42,14 +42,8 @@ def _fake_grads(params: list[nn.Parameter], seed: int) -> None:
 
 def memory(preset: str = "llama-20m") -> dict:
     """Bytes held by the stash and EF rings, as multiples of the parameter bytes, for delay 1 and 2."""
-    try:
-        from bubblefree.models import build_model
-
-        torch.manual_seed(0)
-        params = list(build_model(preset).parameters())
-    except Exception as exc:  # the models package is optional here: fall back to the matrices below
-        print(f"({preset} unavailable: {exc}; using the benchmark matrices)")
-        preset, params = "matrices", [nn.Parameter(torch.randn(s) * 0.02) for s in SHAPES]
+    torch.manual_seed(0)
+    params = list(build_model(preset).parameters())
     param_bytes = sum(p.numel() * p.element_size() for p in params)
     rows = {}
     for d in (1, 2):

@@ -108,7 +108,7 @@ def _quality(budget_s: float, tiny: bool, record: Callable[[dict], None]) -> dic
     from bubblefree.experiments.scales import get_scale
     from bubblefree.optim import OPTIMIZERS
     from bubblefree.train import train
-    from bubblefree.train.config import apply_overrides
+    from bubblefree.config import apply_overrides
 
     start = time.perf_counter()
     scale = get_scale("smoke" if tiny else "gpu")

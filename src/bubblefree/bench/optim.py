@@ -1,6 +1,6 @@
 """Optimizer step time, ours versus its reference, side by side in one run; state memory per parameter.
 
-About 10M parameters of transformer-shaped float32 matrices (research/optimizers.md section 3: at d=512,
+About 10M parameters of transformer-shaped float32 matrices (three blocks of width 512,
 ``[(1536,512),(512,512),(2048,512),(512,2048)] x 3 + (1024,512)``) plus a few 1-D norms; fresh random
 gradients each step; ``step()`` timed with the implementations interleaved so machine noise hits both
 alike; medians. CPU runs with 2 threads (the CI size; ``--threads``); the same table runs on CUDA when one is present.

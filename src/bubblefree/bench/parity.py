@@ -44,14 +44,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
+from bubblefree.config import OptimConfig, apply_overrides
 from bubblefree.delay import DelayedOptimizer
-from bubblefree.models import build_model
+from bubblefree.models import build_model, token_loss
 from bubblefree.optim.base import apply_updates
 from bubblefree.optim.registry import OPTIMIZERS, build_optimizer
-from bubblefree.train.config import OptimConfig, apply_overrides
 from bubblefree.train.presets import get_preset
 
 __all__ = ["CHECKS", "TOL", "checkpoint_roundtrip", "delayed_parity", "model_parity", "optimizer_parity",
@@ -90,7 +89,7 @@ def _fwd_bwd(model: torch.nn.Module, tokens: Tensor, *, bf16: bool) -> tuple[Ten
     ctx = torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=bf16)
     with ctx:
         logits = model(x)
-    loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+    loss = token_loss(logits, y)
     loss.backward()
     return loss.detach(), logits.detach(), {n: p.grad for n, p in model.named_parameters()}
 

@@ -40,7 +40,8 @@ import torch
 from bubblefree.schedules.ir import build_schedule
 from bubblefree.schedules.render import Panel, Span, draw_panels, timeline_panel
 from bubblefree.schedules.timeline import Costs, simulate
-from bubblefree.train.config import Config, load_config
+from bubblefree.config import Config
+from bubblefree.train.presets import load_config
 
 __all__ = ["REAL_OVERRIDES", "SCHEDULES", "peak_in_flight", "read_traces", "run", "run_cases", "synthetic_config",
            "trace_panel"]
@@ -50,9 +51,9 @@ SCHEDULES = ("gpipe", "1f1b", "2bw")
 
 REAL_OVERRIDES = ("model.preset=llama-5m", "train.seq_len=128", "train.batch_size=32")
 """The real runs: the ``smoke`` preset with a model and batch large enough for forwards and backwards to
-dominate a step. The optimizer update is the part no schedule hides: Muon's on a ``llama-5m`` stage takes
-about 47 ms, a third of a batch-8 step but a ninth of a batch-32 one (pretraining batches make it smaller
-still). With ``llama-1m`` at 64 tokens data, transfers and Python fill two thirds of a rank's time."""
+dominate a step. The optimizer update is the part no schedule hides, and it is a fixed cost per step, so a
+larger batch makes its share smaller; with ``llama-1m`` at 64 tokens, data, transfers and Python would fill
+most of a rank's time (docs/throughput.md has the measurements)."""
 
 
 # ------------------------------------------------------------------------------------------- running

@@ -26,7 +26,8 @@ import time
 from pathlib import Path
 
 from bubblefree.bench.pipeline import REAL_OVERRIDES, run_cases
-from bubblefree.train.config import Config, apply_overrides, load_config, parse_override, validate
+from bubblefree.config import Config, apply_overrides, parse_override, validate
+from bubblefree.train.presets import load_config
 
 __all__ = ["RUNS", "first_reach", "run"]
 

@@ -31,9 +31,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from bubblefree.models import build_model, to_hf_llama
+from bubblefree.models import build_model, to_hf_llama, token_loss
 from bubblefree.models.llama import Transformer
 
 __all__ = ["H100_BF16_PEAK_FLOPS", "flops_per_token", "matmul_flops", "run"]
@@ -90,7 +89,7 @@ def _step_fn(model: torch.nn.Module, tokens: torch.Tensor, *, device: str, autoc
         with ctx:
             out = model(x)
         logits = out if isinstance(out, torch.Tensor) else out.logits
-        F.cross_entropy(logits.float().flatten(0, 1), y.flatten()).backward()
+        token_loss(logits, y).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         _sync(device)

@@ -5,7 +5,7 @@ The interface is three members: ``encode(str) -> list[int]``, ``decode(list[int]
 
 The BPE is GPT-2's recipe (byte-level alphabet of 256 symbols, GPT-2 pre-tokenizer regex, merges learned by
 ``tokenizers.trainers.BpeTrainer``) trained on the training split only, so validation text is unseen.
-Training is deterministic across runs and thread counts (DESIGN.md section 5), which is what makes a
+Training is deterministic across runs and thread counts (a test trains twice), which is what makes a
 content-keyed cache sound.
 
 Text is always cut into lines (each keeping its ``\\n``) before BPE sees it, for training and encoding

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from bubblefree.config import CHOICES, DataConfig
 from bubblefree.data.cache import content_key, load_stream, resolve_cache_dir, save_stream, stream_dtype
 from bubblefree.data.shards import load_shards
 from bubblefree.data.sources import TextCorpus, load_embedded, load_hf, load_text_path
@@ -29,12 +29,9 @@ from bubblefree.data.tokenizer import (
 )
 from bubblefree.errors import UserError
 
-if TYPE_CHECKING:  # data sits below train in the import order (docs/architecture.md)
-    from bubblefree.train.config import DataConfig
-
 __all__ = ["TokenData", "eval_batches", "get_batch", "load_tokens"]
 
-TOKENIZERS = ("bpe", "byte")
+TOKENIZERS = CHOICES["data.tokenizer"]
 
 
 @dataclass

@@ -1,14 +1,15 @@
 """Delayed-gradient training (weight stashing) with Error Feedback, Taylor, Nesterov and weight prediction.
 
-One implementation of DESIGN.md section 1, shared by the single-process simulation (one instance for the
-whole model, per-parameter delays) and the distributed runtime (one instance per pipeline stage). Notation:
+One implementation of the update rules of docs/spec.md (sections 3, 5 and 6), shared by the single-process
+simulation (one instance for the whole model, per-parameter delays) and the distributed runtime (one
+instance per pipeline stage). Notation:
 ``x_t`` are the parameters after ``t`` steps, ``(u_t, s_{t+1}) = O(g, s_t, x_t)`` the inner optimizer's
 whole step, ``d`` a parameter's delay (``schedules.stage_delays``), ``K_s``/``K_c`` the synchronous start
 and cooldown, ``T`` the run length. Step ``t`` is *asynchronous* when ``K_s <= t < T - K_c``; elsewhere
 ``d = 0``. With ``a`` the step at which the current asynchronous phase began (``K_s``):
 
 * delay:     ``u_t = O(grad f(x_{max(t-d, a)}; b_t), s_t, x_t)``,  ``x_{t+1} = x_t - u_t``
-  (``a = 0`` gives DESIGN's ``x_j = x_0`` for ``j < 0``);
+  (``a = 0`` gives ``x_j = x_0`` for ``j < 0``);
 * ``"ef"``:  ``x_{t+1} = x_t - u_t - beta (u_t - u_{t-d})`` with ``u_j = 0`` for ``j < a``
   (arXiv 2606.30634). Invariant: ``z_t = x_t + beta * sum_{j=t-d}^{t-1} u_j`` obeys ``z_{t+1} = z_t - u_t``;
 * ``"taylor"`` (DC-ASGD, Zheng et al. 2017): the optimizer sees ``g + lambda * g * g * (x_t - x_{t-d})``
@@ -413,7 +414,7 @@ def build_delayed(optimizer: torch.optim.Optimizer, *, delays: int | Sequence[in
                   total_steps: int) -> DelayedOptimizer:
     """The one way both executors build a :class:`DelayedOptimizer` from a run's ``[delay]`` config section.
 
-    ``config`` is a ``bubblefree.train.config.DelayConfig``: *every* one of its fields is passed as the keyword
+    ``config`` is a ``bubblefree.config.DelayConfig``: *every* one of its fields is passed as the keyword
     of the same name, so a key added to the section without a keyword here is a TypeError at the first run
     (and in the tests), never a setting silently ignored by one executor.
     """

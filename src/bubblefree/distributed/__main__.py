@@ -5,10 +5,10 @@ One process per stage (and replica); every rank runs the training loop, global r
 ``--resume`` reads the run's own config.toml on every rank (so a multi-node resume needs the run folder on a
 filesystem all nodes share), like ``bubblefree train --resume``; ``--resume --out DIR`` is the same as
 ``--resume DIR``. Failures end the process with the exit codes of ``bubblefree train``
-(``bubblefree.cli.exit_code``): 2 invalid input, 3 a diverged run, 130 stopped by SIGINT or SIGTERM at a step
-boundary after a checkpoint, 1 a bug. The one-line messages of the first three come from the first process
-of each node (``LOCAL_RANK`` 0) only: every rank knows them (the ranks agree on failures at setup), so a
-failure is one line per node, not one per rank.
+(``bubblefree.errors.exit_code``): 2 invalid input, 3 a diverged run, 130 stopped by SIGINT or SIGTERM at a
+step boundary after a checkpoint, 1 a bug. The one-line messages of the first three come from the first
+process of each node (``LOCAL_RANK`` 0) only: every rank knows them (the ranks agree on failures at setup), so
+a failure is one line per node, not one per rank.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import argparse
 import os
 import sys
 
-from bubblefree.cli import exit_code
+from bubblefree.config import validate
 from bubblefree.distributed.launch import exit_at_once, run_worker
-from bubblefree.errors import UserError
+from bubblefree.errors import TrainingDiverged, UserError, exit_code
 from bubblefree.train.presets import run_dir, train_config
 
 __all__: list[str] = []
@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError("Invalid command: --out DIR is required for a new run")
         config = train_config(args.preset, args.config, args.overrides, resume)
         config.pipeline.runtime = "distributed"
+        validate(config, replicas=int(os.environ.get("WORLD_SIZE", config.pipeline.stages)) // config.pipeline.stages)
         out_dir = run_dir(resume) if resume is not None else args.out
         if resume is not None and args.out is not None and os.path.abspath(args.out) != os.path.abspath(out_dir):
             raise UserError(f"Invalid --out: {args.out} (a resumed run writes to its own folder {out_dir})")
@@ -56,9 +57,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def exit_code_of(e: BaseException) -> int:
-    """The exit code :func:`~bubblefree.cli.exit_code` gives ``e``, without printing (ranks other than 0)."""
-    from bubblefree.train.loop import TrainingDiverged
-
+    """The exit code :func:`~bubblefree.errors.exit_code` gives ``e``, without printing (ranks other than 0)."""
     if isinstance(e, UserError):
         return 2
     if isinstance(e, KeyboardInterrupt):

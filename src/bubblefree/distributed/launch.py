@@ -6,6 +6,7 @@
 * :func:`run_worker` is the body of one process, also used under ``torchrun`` (``python -m
   bubblefree.distributed``): every rank runs the ordinary training loop (``bubblefree.train.train``) with a
   :class:`~bubblefree.distributed.executor.DistributedExecutor`; only global rank 0 writes the run's outputs.
+  The config is validated (``config.validate`` with the run's number of replicas) before any process starts.
 * Every rank that fails writes ``<run>/errors/rank<r>.json`` before exiting; a watchdog thread in every rank
   polls that folder and exits (code 1, printing the failed rank and its cause) as soon as another rank's
   file appears, so no rank waits for its point-to-point timeout when a peer raised.
@@ -37,8 +38,15 @@ import torch
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
 
-from bubblefree.errors import UserError
-from bubblefree.train.config import Config
+from bubblefree.config import Config, config_to_dict, validate
+from bubblefree.distributed.executor import DistributedExecutor
+from bubblefree.distributed.faults import maybe_fault
+from bubblefree.distributed.mesh import agree, init_backend
+from bubblefree.distributed.p2p import PeerFailure, timeout_s
+from bubblefree.distributed.stop import StopAgreement
+from bubblefree.errors import TrainingDiverged, UserError
+from bubblefree.train.checkpoint import latest_checkpoint
+from bubblefree.train.loop import Interrupted, train
 
 __all__ = ["PipelineFailure", "exit_at_once", "launch_local", "run_worker"]
 
@@ -57,9 +65,6 @@ def _free_port() -> int:
 
 
 def _write_error(out_dir: Path, rank: int, exc: BaseException) -> None:
-    from bubblefree.distributed.p2p import PeerFailure
-    from bubblefree.train.loop import TrainingDiverged
-
     folder = out_dir / ERRORS_DIR
     folder.mkdir(parents=True, exist_ok=True)
     record = {"rank": rank, "cause": f"{type(exc).__name__}: {exc}", "time": time.time(),
@@ -122,33 +127,28 @@ def _watchdog(out_dir: Path, rank: int, period_s: float = 1.0) -> None:
 
 
 def _agree(config: Config, failure: BaseException | None) -> None:
-    from bubblefree.distributed.mesh import agree
-    from bubblefree.train.config import config_to_dict
-
     agree(config_to_dict(config), failure)
+
+
+def _executor(config: Config, model: torch.nn.Module, data: object, out_dir: Path) -> DistributedExecutor:
+    return DistributedExecutor(config, model, data, out_dir=out_dir)
 
 
 def run_worker(config: Config, *, out_dir: str | Path, resume: bool | str | Path = False) -> None:
     """Body of one process of a run (environment from torchrun or :func:`launch_local`)."""
     import torch.distributed as dist
 
-    from bubblefree.distributed.executor import DEFAULT_TIMEOUT_S
-    from bubblefree.distributed.mesh import init_backend
-    from bubblefree.train.loop import Interrupted, train
-
     out_dir = Path(out_dir)
     rank = int(os.environ["RANK"])
     _watchdog(out_dir, rank)
     try:
-        _maybe_fault(rank, when="start")
+        maybe_fault(rank, when="start")
         # The device type decides the backend; a config asking for a missing CUDA fails in the setup, on
         # every rank alike (the ranks agree on the config).
         cuda = config.train.device != "cpu" and torch.cuda.is_available()
-        init_backend(timeout_s=float(os.environ.get("BUBBLEFREE_P2P_TIMEOUT", DEFAULT_TIMEOUT_S)),
-                     device_type="cuda" if cuda else "cpu")
-        from bubblefree.distributed.stop import StopAgreement
-
-        train(config, out_dir=out_dir, resume=resume, barrier=_agree, stop=StopAgreement(config.pipeline.stages))
+        init_backend(timeout_s=timeout_s(), device_type="cuda" if cuda else "cpu")
+        train(config, out_dir=out_dir, resume=resume, barrier=_agree, executor=_executor,
+              stop=StopAgreement(config.pipeline.stages))
         if dist.is_initialized():
             dist.destroy_process_group()
     except Interrupted:  # every rank stopped at the same step after a checkpoint: not a failure to report
@@ -169,18 +169,6 @@ def exit_at_once(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-def _maybe_fault(rank: int, *, when: str | int) -> None:
-    """Fault drills: ``BUBBLEFREE_FAULT=RANK:STEP:raise|kill`` fails that rank when it starts that step."""
-    spec = os.environ.get("BUBBLEFREE_FAULT", "")
-    if not spec:
-        return
-    f_rank, f_step, kind = spec.split(":")
-    if int(f_rank) == rank and f_step == str(when):
-        if kind == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        raise RuntimeError(f"injected fault at step {when}")
 
 
 def _spawned(index: int, config: Config, out_dir: str, nprocs: int, port: int, resume: bool | str | Path,
@@ -206,10 +194,11 @@ def launch_local(config: Config, out_dir: str | Path, nprocs: int | None = None,
     nprocs = nprocs or config.pipeline.stages
     if nprocs < 1 or nprocs % config.pipeline.stages:
         raise ValueError(f"Invalid nprocs: {nprocs} (must be a multiple of pipeline.stages = {config.pipeline.stages})")
+    config = dataclasses.replace(config, pipeline=dataclasses.replace(config.pipeline, runtime="distributed"))
+    validate(config, replicas=nprocs // config.pipeline.stages)
     out_dir = Path(out_dir)
     fresh = not out_dir.exists()
     shutil.rmtree(out_dir / ERRORS_DIR, ignore_errors=True)  # an earlier attempt's failures are not this run's
-    config = dataclasses.replace(config, pipeline=dataclasses.replace(config.pipeline, runtime="distributed"))
     threads = max(1, (os.cpu_count() or 1) // nprocs)
     ctx = mp.start_processes(_spawned, args=(config, str(out_dir), nprocs, _free_port(), resume, threads),
                              nprocs=nprocs, join=False, start_method="spawn")
@@ -242,8 +231,6 @@ def launch_local(config: Config, out_dir: str | Path, nprocs: int | None = None,
             raise UserError(message) from None
         diverged = [r["diverged"] for r in own_errors if r.get("diverged")]
         if diverged:  # the writer stopped the run on a non-finite loss: the CLI's exit code 3, not a crash
-            from bubblefree.train.loop import TrainingDiverged
-
             raise TrainingDiverged(diverged[0]) from None
         if isinstance(exc, ProcessExitedException) and exc.signal_name and not own_errors:
             cause = f"rank {exc.error_index} was killed by {exc.signal_name}"
@@ -256,9 +243,6 @@ def launch_local(config: Config, out_dir: str | Path, nprocs: int | None = None,
 
 
 def _interrupted(out_dir: Path) -> BaseException:
-    from bubblefree.train.checkpoint import latest_checkpoint
-    from bubblefree.train.loop import Interrupted
-
     newest = latest_checkpoint(out_dir)
     where = f"checkpoint {newest}" if newest else "no checkpoint was written yet"
     return Interrupted(f"interrupted; {where}; continue with --resume {out_dir}")

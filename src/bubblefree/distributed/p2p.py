@@ -10,6 +10,7 @@ so the error that reaches the launcher says which rank vanished.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -17,11 +18,19 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["P2P", "PeerFailure"]
+__all__ = ["DEFAULT_TIMEOUT_S", "P2P", "PeerFailure", "timeout_s"]
+
+DEFAULT_TIMEOUT_S = 300.0
 
 _MAX_DIMS = 6
 _MAX_PENDING = 64
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32]
+
+
+def timeout_s() -> float:
+    """Seconds a transfer (and the process group's collectives) may wait: ``$BUBBLEFREE_P2P_TIMEOUT``, else
+    :data:`DEFAULT_TIMEOUT_S`."""
+    return float(os.environ.get("BUBBLEFREE_P2P_TIMEOUT", DEFAULT_TIMEOUT_S))
 
 
 class PeerFailure(RuntimeError):

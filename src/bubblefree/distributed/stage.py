@@ -1,7 +1,7 @@
 """One pipeline stage of one replica: its module, its DelayedOptimizer and its in-flight weight versions.
 
 The :class:`~bubblefree.delay.DelayedOptimizer` of the stage is the single owner of the update rule and of
-the stash of old weights (DESIGN.md section 1): step ``t`` of stage ``s`` evaluates its gradient at
+the stash of old weights (docs/spec.md section 3): step ``t`` of stage ``s`` evaluates its gradient at
 ``x_{max(t-d_s, a)}`` (``a`` the start of the asynchronous phase). A pipeline runs the forwards of step
 ``t`` while the stage has applied only ``c <= t`` updates (``c = t-1`` for 2BW on all but the last stage,
 ``c = t-d_s`` for PipeDream), so the version is ``delayed.stale_tensors(ahead=t-c)``: the same tensor the

@@ -6,6 +6,9 @@ suite's runs at the chosen rates, (3) ``<out>/<suite>.md`` (the sweep, the table
 with its numbers beside ours, the definitions, provenance) and the PNG plots. Every run leaves
 ``<out>/runs/<id>.json``; a re-run skips finished runs, so an interrupted suite continues where it stopped
 and suites sharing runs (``optimizers`` and ``error-feedback``) share their results.
+
+:func:`tables` rebuilds the tables of ``<suite>.md`` from a results folder's JSON alone, without running
+anything: ``python -m bubblefree.docs`` splices them into docs/ (docs/results.md).
 """
 
 from __future__ import annotations
@@ -14,14 +17,16 @@ import dataclasses
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from bubblefree.config import apply_overrides, config_diff, config_from_dict, parse_override, read_toml, validate
 from bubblefree.errors import UserError
 from bubblefree.experiments.plots import draw
-from bubblefree.experiments.runner import commit, machine, pending, run_all
+from bubblefree.experiments.runner import Run, commit, machine, pending, run_all
 from bubblefree.experiments.scales import Scale, get_scale
 from bubblefree.experiments.suites import (
     choose_lrs,
@@ -34,17 +39,17 @@ from bubblefree.experiments.suites import (
     sweep_table,
 )
 from bubblefree.optim import OPTIMIZERS
-from bubblefree.train.config import (apply_overrides, config_diff, config_from_dict, parse_override, read_toml,
-                                     validate)
 from bubblefree.train.loop import check_lengths
 
-__all__ = ["default_jobs", "reproduce", "with_base_overrides"]
+__all__ = ["default_jobs", "reproduce", "suite_tables", "tables", "with_base_overrides"]
+
+Rows = list[dict[str, Any]]
 
 _DEFINITIONS = (
     "Final validation loss (nats/token), mean ± sample std over seeds. *gap* = mean(async) - mean(sync); "
     "*noise floor* = mean |sync(seed a) - sync(seed b)| over pairs of seeds: a gap below it is not an effect; "
     "*gap recovered* = (async - corrected) / (async - sync). Paper numbers: arXiv 2606.30634 via secondary "
-    "sources (DESIGN.md section 2), 360M models on FineWeb-Edu, so compare signs and orderings, not values.")
+    "sources (docs/spec.md section 8), 360M models on FineWeb-Edu, so compare signs and orderings, not values.")
 
 
 def default_jobs(scale: str) -> int:
@@ -83,32 +88,24 @@ def reproduce(suite: str, *, scale: str = "cpu", out: str | Path | None = None, 
     out = Path(out or f"results/{sc.name}")
     from tqdm.auto import tqdm
 
-    sweep = sweep_runs(sc, chosen)
     # The suite's runs depend on the rates the sweep picks: until then the bar's total is an estimate made
     # at the default rates, set exactly once the sweep is done.
-    todo = pending(sweep, out)
+    todo = pending(sweep_runs(sc, chosen), out)
     estimate = pending(spec.runs(sc, {o: OPTIMIZERS[o].lr for o in chosen}), out) - todo
     tic = time.perf_counter()
     with tqdm(total=len(todo) + len(estimate), unit="run", desc=f"{suite} ({sc.name})", dynamic_ncols=True,
               disable=not progress) as bar:
-        sweep_rows = run_all(sweep, out, bar=bar, jobs=jobs)
-        while extension := sweep_extension(sc, sweep_rows):  # a best rate at an end: try past it
-            bar.total += len(pending(extension, out))
-            sweep_rows += run_all(extension, out, bar=bar, jobs=jobs)
-        lrs = {o: choose_lrs(sweep_rows)[o] for o in chosen}
-        runs = spec.runs(sc, lrs)
-        knob_rows: list[dict[str, Any]] = []
-        if spec.knobs:  # each method's own setting, swept at the chosen rate like the rate itself
-            knob_runs = knob_sweep_runs(sc, lrs, spec.knobs)
-            bar.total = bar.n + len(pending(runs + knob_runs, out))
-            knob_rows = run_all(knob_runs, out, bar=bar, jobs=jobs)
-            while extension := knob_extension(sc, lrs, spec.knobs, knob_rows):
-                bar.total += len(pending(extension, out))
-                knob_rows += run_all(extension, out, bar=bar, jobs=jobs)
-            runs += knob_best_runs(sc, lrs, spec.knobs, knob_rows)
-        bar.total = bar.n + len(pending(runs, out))
-        bar.refresh()
-        rows = run_all(runs, out, bar=bar, jobs=jobs)
+        def execute(runs: list[Run], phase: str) -> Rows:
+            if phase == "extension":
+                bar.total += len(pending(runs, out))
+            elif phase == "knobs":  # the suite's runs at the chosen rates follow; counted once known
+                bar.total = bar.n + len(pending(runs, out))
+            elif phase == "suite":
+                bar.total = bar.n + len(pending(runs, out))
+                bar.refresh()
+            return run_all(runs, out, bar=bar, jobs=jobs)
+
+        sweep_rows, lrs, rows, knob_rows = _gather(spec, sc, chosen, execute)
     elapsed = time.perf_counter() - tic
 
     title = f"{spec.title}, scale {sc.name}"
@@ -119,6 +116,8 @@ def reproduce(suite: str, *, scale: str = "cpu", out: str | Path | None = None, 
     table_path.write_text(_markdown(spec, sc, sweep_rows, rows + knob_rows, plots, elapsed, command, changed),
                           encoding="utf-8")
     (out / f"{suite}.json").write_text(json.dumps({"suite": suite, "scale": sc.name, "lrs": lrs,
+                                                   "optimizers": list(chosen), "seeds": sc.seeds,
+                                                   "base_changes": {k: b for k, (a, b) in changed.items()},
                                                    "runs": sorted({r["id"] for r in rows + knob_rows + sweep_rows})},
                                                   indent=1) + "\n", encoding="utf-8")
     return {"table": table_path, "plots": plots, "lrs": lrs, "rows": rows, "sweep": sweep_rows, "knobs": knob_rows}
@@ -173,8 +172,64 @@ def _markdown(spec, scale, sweep_rows, rows, plots, elapsed: float, command: str
          f"commit(s) of the runs: {', '.join(commits)}; this table written at commit {commit()} on {machine()}."),
         (f"Compute: {run_time / 60:.1f} min of runs in total ({len({r['id'] for r in rows + sweep_rows})} runs), "
          f"this invocation {elapsed / 60:.1f} min (finished runs are skipped)."), "",
-        "## Learning-rate sweep (synchronous, seed 0, full length)", "", sweep_table(sweep_rows), "",
-        "## Results", "", *_budget(spec, scale), spec.table(rows), "", _DEFINITIONS, "",
+        suite_tables(spec, scale, sweep_rows, rows),
     ]
     lines += [f"![{p.stem}]({p.name})" for p in plots]
     return "\n".join(lines) + "\n"
+
+
+def _gather(spec, scale, optimizers: tuple[str, ...],
+            execute: Callable[[list[Run], str], Rows]) -> tuple[Rows, dict[str, float], Rows, Rows]:
+    """The suite's runs in order: the synchronous sweep (``phase`` "sweep"), its extensions past an end of
+    the grid while the best rate sits there ("extension"); for a suite whose methods have knobs, each
+    method's own setting swept at the chosen rate ("knobs") and extended the same way ("extension"); then
+    the suite's runs at the chosen rates and best settings ("suite"). ``execute(runs, phase)`` returns their
+    records. Returns ``(sweep rows, rates, suite rows, knob rows)``."""
+    sweep_rows = execute(sweep_runs(scale, optimizers), "sweep")
+    while extension := sweep_extension(scale, sweep_rows):  # a best rate at an end: try past it
+        sweep_rows += execute(extension, "extension")
+    lrs = {o: choose_lrs(sweep_rows)[o] for o in optimizers}
+    runs = spec.runs(scale, lrs)
+    knob_rows: Rows = []
+    if spec.knobs:  # each method's own setting, swept at the chosen rate like the rate itself
+        knob_rows = execute(knob_sweep_runs(scale, lrs, spec.knobs), "knobs")
+        while extension := knob_extension(scale, lrs, spec.knobs, knob_rows):
+            knob_rows += execute(extension, "extension")
+        runs += knob_best_runs(scale, lrs, spec.knobs, knob_rows)
+    return sweep_rows, lrs, execute(runs, "suite"), knob_rows
+
+
+def suite_tables(spec, scale, sweep_rows: Rows, rows: Rows, *, heading: str = "##") -> str:
+    """The learning-rate sweep and the suite's table (``rows``: the suite's and the knob sweep's) with the
+    tuning budget and the definitions: the part of ``<suite>.md`` that depends on the runs' results alone
+    (no commit, machine or timing), under ``heading``-level titles."""
+    return "\n".join([
+        f"{heading} Learning-rate sweep (synchronous, seed 0, full length)", "", sweep_table(sweep_rows), "",
+        f"{heading} Results", "", *_budget(spec, scale), spec.table(rows), "", _DEFINITIONS, ""])
+
+
+def tables(folder: str | Path, suite: str, *, heading: str = "##") -> str:
+    """:func:`suite_tables` of ``suite`` rebuilt from ``<folder>/<suite>.json`` and ``<folder>/runs/*.json``.
+
+    The scale, optimizers and seeds are those the suite ran with (recorded in ``<suite>.json``); the runs are
+    found the way :func:`reproduce` finds them. A missing run is a UserError naming it.
+    """
+    folder = Path(folder)
+    try:
+        record = json.loads((folder / f"{suite}.json").read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"Invalid results folder: {folder} holds no {suite}.json (run bubblefree reproduce "
+                        f"{suite} --out {folder})") from None
+    spec, sc = get_suite(suite), get_scale(record["scale"], seeds=record.get("seeds"))
+    if record.get("base_changes"):  # the base run as reproduce --config/--set changed it
+        sc = dataclasses.replace(sc, base=apply_overrides(sc.base, record["base_changes"]))
+
+    def load(runs: list[Run], phase: str) -> Rows:
+        missing = pending(runs, folder)
+        if missing:
+            raise UserError(f"Invalid results folder: {folder} lacks {len(missing)} run(s) of {suite}, e.g. "
+                            f"{min(missing)}")
+        return run_all(runs, folder)  # every run is finished: this only reads their JSON
+
+    sweep_rows, _, rows, knob_rows = _gather(spec, sc, tuple(record.get("optimizers") or spec.optimizers), load)
+    return suite_tables(spec, sc, sweep_rows, rows + knob_rows, heading=heading)

@@ -1,6 +1,6 @@
 """Run a list of experiment runs, one JSON per finished run, skipping runs whose JSON already exists.
 
-A :class:`Run` is a :class:`~bubblefree.train.config.Config` with the tags the tables group by. Its id is
+A :class:`Run` is a :class:`~bubblefree.config.Config` with the tags the tables group by. Its id is
 ``<name>-<hash of the config>`` (both functions of the config alone), so two suites (or a sweep and a
 baseline) that need the very same run share one result, and a changed config never reuses a stale one. A key
 added to the config later enters the hash only away from its neutral value (:data:`NEUTRAL`), so results of
@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from bubblefree.train.config import Config, config_to_dict
+from bubblefree.config import Config, config_to_dict
 from bubblefree.train.metrics import METRICS_FILE, read_metrics
 
 __all__ = ["NEUTRAL", "Run", "commit", "identity", "machine", "pending", "run_all", "run_id"]

@@ -5,13 +5,12 @@ of seeds, the learning-rate factors of the synchronous sweep, and the model pres
 another one (a 32-layer narrow ``deep-*`` model for the depth-16 schedules, an MoE). Sizing:
 
 - ``smoke``: the ``smoke`` run preset (llama-1m, byte tokenizer, 40 steps of 8 x 64 tokens), one seed, a
-  two-point sweep that never extends. A run takes 1-2 s on one core, so every suite finishes in a few minutes.
-- ``cpu``: DESIGN.md section 7's prototype (llama-5m at vocabulary 4096, sequence 128, batch 16), which
-  took 1.5-2 minutes per 300 steps on 2 idle cores; 200 steps, 2 seeds, a three-point sweep (0.5x-2x the
-  registry rate, extended up to 0.125x-8x while the best sits at an end): the ``optimizers`` suite is 36 runs
-  plus the extensions, 86-122 s each on one core, 38 min on 2 cores (two at a time; docs/results.md).
-  One thread per run: on a shared machine a second thread waiting for a busy core made steps many times
-  slower (measured: 20 steps in 20 s on one thread, under 30 in 5 min on two).
+  two-point sweep that never extends: every suite finishes in minutes.
+- ``cpu``: the ``demo`` run's model and batch (llama-5m at vocabulary 4096, sequence 128, batch 16); 200
+  steps, 2 seeds, a three-point sweep (0.5x-2x the registry rate, extended up to 0.125x-8x while the best
+  sits at an end): the ``optimizers`` suite is 36 runs plus the extensions (docs/results.md gives the time
+  they took). One thread per run: on a shared machine a second thread waiting for a busy core makes steps
+  many times slower.
 - ``gpu``: SmolLM2-135M's shapes (arXiv 2606.30634 trains 135M/360M) on the embedded corpus with an 8192 BPE
   vocabulary, sequence 512, batch 32, 600 steps (9.8M tokens, 0.09 per parameter: the cpu scale's 0.08),
   3 seeds, a sweep extended up to 0.25x-4x. Sized, without a GPU to measure on, from the FLOP count:
@@ -29,7 +28,7 @@ another one (a 32-layer narrow ``deep-*`` model for the depth-16 schedules, an M
 - SOAP preconditions every dimension up to ``optim.max_precond_dim``, below the vocabulary and above every
   hidden dimension at every real scale (2048 at cpu, 4096 at gpu, 255 at long): the paper's regime, where the 49152
   vocabulary exceeds SOAP's default 10000 and the widest hidden dimension (2560) does not. At cpu scale with
-  the default, the 4096-wide embedding and head were preconditioned too and a run took 8-15 min, not ~2.
+  the default, the 4096-wide embedding and head would be preconditioned too, at several times the cost.
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from bubblefree.errors import UserError
-from bubblefree.train.config import Config, apply_overrides
+from bubblefree.config import Config, apply_overrides
 from bubblefree.train.presets import get_preset
 
 __all__ = ["SCALES", "Scale", "get_scale"]

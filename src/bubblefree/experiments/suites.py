@@ -42,7 +42,7 @@ from bubblefree.experiments.tables import (
     tokens_per_param,
 )
 from bubblefree.optim import OPTIMIZERS
-from bubblefree.train.config import apply_overrides
+from bubblefree.config import apply_overrides
 
 __all__ = ["SUITES", "Knob", "Suite", "choose_lrs", "get_suite", "knob_best_runs", "knob_extension", "knob_sweep_runs",
            "mitigation_knobs", "sweep_extension", "sweep_runs", "sweep_table"]

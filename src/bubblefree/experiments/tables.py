@@ -20,7 +20,7 @@ from typing import Any
 __all__ = ["PAPER_360M", "PAPER_MOE", "fmt", "fmt_mean", "fmt_pct", "gap_recovered", "losses", "markdown_table",
            "mean", "noise_floor", "tokens_per_param"]
 
-# arXiv 2606.30634 as reported by secondary sources (DESIGN.md section 2): 360M models on FineWeb-Edu.
+# arXiv 2606.30634 as secondary sources quote it (docs/spec.md section 8): 360M models on FineWeb-Edu.
 # (sync, async with delay 1, async + EF); None where no number is reported.
 PAPER_360M: dict[str, tuple[float | None, float | None, float | None]] = {
     "muon": (2.578, 2.590, 2.583),
@@ -29,7 +29,7 @@ PAPER_360M: dict[str, tuple[float | None, float | None, float | None]] = {
     "adamw": (2.612, 2.890, 2.640),
 }
 PAPER_MOE = (1.906, 1.911, 1.906)
-"""The paper's 10B MoE on 200B tokens: sync, async, async + EF (DESIGN.md section 2)."""
+"""The paper's 10B MoE on 200B tokens: sync, async, async + EF (docs/spec.md section 8)."""
 
 
 def losses(results: Iterable[dict[str, Any]], **match: Any) -> list[float]:

@@ -1,6 +1,7 @@
 """Models: a LLaMA-style decoder (dense or mixture-of-experts), named presets, and the pipeline-stage split."""
 
 from bubblefree.models.llama import ModelArgs, Transformer, to_hf_llama
+from bubblefree.models.loss import aux_loss_sum, token_loss
 from bubblefree.models.presets import PRESETS, build_model
 from bubblefree.models.split import StageModule, param_stages, split_model, stage_layer_ranges
 
@@ -12,6 +13,8 @@ __all__ = [
     "build_model",
     "param_stages",
     "split_model",
+    "aux_loss_sum",
     "stage_layer_ranges",
     "to_hf_llama",
+    "token_loss",
 ]

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from bubblefree.models.layers import Attention, SwiGLU, rope_cos_sin
+from bubblefree.models.loss import aux_loss_sum
 from bubblefree.models.moe import MoE
 
 __all__ = ["Block", "ModelArgs", "Transformer", "forward_span", "to_hf_llama"]
@@ -218,7 +219,7 @@ class Transformer(nn.Module):
 
     def aux_loss(self) -> float:
         """Sum over MoE layers of the last forward's load-balancing loss (0.0 for a dense model), for logging."""
-        return sum(float(m.last_aux_loss) for m in self.moe_layers() if m.last_aux_loss is not None)
+        return float(aux_loss_sum(self))
 
     def set_aux_loss_scale(self, scale: float) -> None:
         """Scale the injected balancing gradient, e.g. ``1 / M`` when the M microbatch losses are each divided

@@ -3,10 +3,10 @@ count (checked within 10 % by the tests at the preset's own vocabulary: the defa
 the CPU presets, 256 for the ``byte-*`` presets of the long-horizon scale).
 
 - ``llama-1m`` / ``llama-5m`` / ``llama-20m``: CPU-sized dense models for the default corpus. Untied heads:
-  at this size the embedding holds most of the parameters, and an untied head let the prototype of
-  DESIGN.md section 7 (3.3M parameters, untied) train well at a large learning rate.
+  at this size the embedding holds most of the parameters, and an untied head lets the model train well at
+  a large learning rate.
 - ``moe-20m``: a CPU-sized MoE (8 experts, top-2, one shared expert) to exercise routing under delay.
-- ``smollm2-135m`` / ``smollm2-360m``: the paper's models, with SmolLM2's shapes (DESIGN.md section 2).
+- ``smollm2-135m`` / ``smollm2-360m``: the paper's models, with SmolLM2's shapes (docs/spec.md section 8).
 - ``moe-2b`` / ``moe-10b``: the paper's MoE scale (arXiv 2606.30634 does not publish its architecture; ours
   is fine-grained routed experts plus one shared expert in the DeepSeekMoE / OLMoE style, first block dense).
   moe-10b: 24 layers, dim 2048, 64 experts of width 1024, top-8 + 1 shared: 9.9B total, 1.8B active per token.

@@ -1,7 +1,7 @@
 """Cut a ``Transformer`` into pipeline stages that share its parameters.
 
 Both the single-process simulation and the distributed runtime use this one split, so a parameter's stage
-(and hence its delay, DESIGN.md section 1) is defined once.
+(and hence its delay, docs/spec.md section 4) is defined once.
 
 Balancing rule (``stage_layer_ranges``): stages get contiguous blocks of ``n_layers // P`` layers each; the
 ``n_layers % P`` leftover layers go one each to the middle stages ``1, 2, ..., P-2`` first, then to stage 0,
@@ -14,7 +14,6 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from bubblefree.models.llama import Transformer, forward_span
-from bubblefree.models.moe import MoE
 
 __all__ = ["StageModule", "param_stages", "split_model", "stage_layer_ranges"]
 
@@ -66,10 +65,6 @@ class StageModule(nn.Module):
         return forward_span(
             x, args=self.args, embed=self.embed, layers=list(self.layers.values()), norm=self.norm, lm_head=self.lm_head
         )
-
-    def aux_loss(self) -> float:
-        """Sum of this stage's MoE balancing losses from its last forward (0.0 when it has none)."""
-        return sum(float(m.last_aux_loss) for m in self.modules() if isinstance(m, MoE) and m.last_aux_loss is not None)
 
 
 def split_model(model: Transformer, n_stages: int) -> list[StageModule]:

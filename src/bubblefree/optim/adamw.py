@@ -29,7 +29,7 @@ from torch import Tensor
 
 from bubblefree.optim.base import UpdateOptimizer, check_betas, check_nonneg
 
-__all__ = ["AdamW", "adamw_updates", "init_adamw_state"]
+__all__ = ["AdamW", "WithAdamWGroups", "adamw_updates", "init_adamw_state"]
 
 _IMPLS = ("single", "foreach", "fused")
 
@@ -122,7 +122,7 @@ def pick_impl(params: list[Tensor], foreach: bool | None, fused: bool | None) ->
 class AdamW(UpdateOptimizer):
     """AdamW whose update ``u_t`` can be computed before it is applied (see the module docstring for the math).
 
-    Defaults are the LLM-pretraining values of DESIGN.md section 4 (nanoGPT / MARS GPT-2 125M configs):
+    Defaults are published LLM-pretraining values (nanoGPT / MARS GPT-2 125M configs; docs/optimizers.md):
     lr 6e-4, betas (0.9, 0.95), wd 0.1, eps 1e-8. The momentum knob is ``beta1``.
 
     Args:
@@ -169,3 +169,41 @@ def adamw_group_updates(state: dict, group: dict[str, Any], params: list[Tensor]
                          [s["step"] for s in st], lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                          weight_decay=group["weight_decay"], impl=impl,
                          out=out_like(params) if out_like is not None and impl == "fused" else None)
+
+
+class WithAdamWGroups(UpdateOptimizer):
+    """Base of an optimizer whose own rule is for hidden matrices (Muon, MARS) and which runs AdamW on the
+    other parameters (embeddings, head, norms, biases): the param groups whose :attr:`route_key` flag is false.
+
+    Such a group takes the AdamW defaults given to the constructor (``adamw_lr``, ``adamw_betas``,
+    ``adamw_eps``, ``adamw_weight_decay``) for any of ``lr``, ``betas``, ``eps``, ``weight_decay`` it does not
+    set, and is checked as an AdamW group. A subclass sets :attr:`route_key` and writes its own rule in
+    :meth:`_matrix_updates`.
+    """
+
+    route_key = ""
+    """The group flag that selects the matrix rule (``use_muon``, ``use_mars``); true by default."""
+
+    def __init__(self, params, defaults: dict[str, Any], *, adamw_lr: float, adamw_betas: tuple[float, float],
+                 adamw_eps: float, adamw_weight_decay: float) -> None:
+        check_adamw_hparams(lr=adamw_lr, betas=adamw_betas, eps=adamw_eps, weight_decay=adamw_weight_decay,
+                            prefix="adamw_")
+        self._adamw_defaults = dict(lr=adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps,
+                                    weight_decay=adamw_weight_decay)
+        super().__init__(params, {**defaults, self.route_key: True})
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if not param_group.get(self.route_key, True):
+            for key, value in self._adamw_defaults.items():
+                param_group.setdefault(key, value)
+            check_adamw_hparams(lr=param_group["lr"], betas=param_group["betas"], eps=param_group["eps"],
+                                weight_decay=param_group["weight_decay"])
+        super().add_param_group(param_group)
+
+    def _group_updates(self, group, params, grads):
+        if not group[self.route_key]:
+            return adamw_group_updates(self.state, group, params, grads, out_like=self._out_like)
+        return self._matrix_updates(group, params, grads)
+
+    def _matrix_updates(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> list[Tensor]:
+        raise NotImplementedError

@@ -95,7 +95,7 @@ def adan_updates(params: list[Tensor], grads: list[Tensor], state: dict[str, lis
 class Adan(UpdateOptimizer):
     """Adan whose update ``u_t`` can be computed before it is applied (module docstring for the math).
 
-    Defaults for LLM pretraining (DESIGN.md section 4; the official GPT-2 345M recipe): lr 2.5e-3 (5-10x
+    Defaults for LLM pretraining (the official GPT-2 345M recipe; docs/optimizers.md): lr 2.5e-3 (5-10x
     AdamW's), betas (0.98, 0.92, 0.99), eps 1e-8, weight decay 0.05, proximal decay. The momentum knob is
     ``betas[0]`` in the code convention (= 1 - paper beta1). ``foreach`` as in :class:`~bubblefree.optim.Lion`.
     """

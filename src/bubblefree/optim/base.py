@@ -1,6 +1,6 @@
 """The optimizer contract: compute the whole update ``u_t`` first, apply it separately.
 
-Delayed-gradient training and Error Feedback (DESIGN.md section 1) need each optimizer's update
+Delayed-gradient training and Error Feedback (docs/spec.md) need each optimizer's update
 
     (u_t, s_{t+1}) = O(g, s_t, x_t),      x_{t+1} = x_t - u_t
 
@@ -13,11 +13,10 @@ without touching the parameters or their ``.grad``. ``step()`` is then just
 ``apply_updates(params, compute_updates())`` followed by :meth:`UpdateOptimizer.recycle`.
 
 **Recycled update buffers.** On CPU, the first write to freshly allocated memory costs a page fault per
-4 KiB page; for an elementwise optimizer that is several times the arithmetic of the whole step (measured:
-a fresh 10M-float list costs about 10-30 ms, an in-place pass over it 1-2 ms). So updates that nobody reads
-any more can be handed back with :meth:`UpdateOptimizer.recycle` (``step()`` and the delay wrapper do), and
-the next :meth:`UpdateOptimizer.compute_updates` writes into them (:meth:`UpdateOptimizer._out_like`)
-instead of allocating. A recycled tensor is no longer visible to anyone, so the contract "fresh update
+4 KiB page; for an elementwise optimizer that can cost more than the arithmetic of the whole step. So
+updates that nobody reads any more can be handed back with :meth:`UpdateOptimizer.recycle` (``step()`` and
+the delay wrapper do), and the next :meth:`UpdateOptimizer.compute_updates` writes into them
+(:meth:`UpdateOptimizer._out_like`) instead of allocating. A recycled tensor is no longer visible to anyone, so the contract "fresh update
 tensors" still holds. Cost: the pool holds at most one update per parameter between steps.
 """
 
@@ -52,7 +51,7 @@ def use_foreach(flag: bool | None, tensors: Sequence[Tensor]) -> bool:
 
     On CPU a foreach op is a loop over the tensors anyway, and running all of one tensor's operations before
     moving to the next keeps it in cache (a 1-4 MB matrix fits the L3), where foreach streams the whole
-    list through memory once per operation: Lion and Adan steps measured 10-25 % faster per tensor.
+    list through memory once per operation.
     """
     if flag is not None:
         return bool(flag)

@@ -57,7 +57,7 @@ def lion_updates(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tenso
 class Lion(UpdateOptimizer):
     """Lion whose update ``u_t`` can be computed before it is applied (module docstring for the math).
 
-    Defaults for LLM pretraining (DESIGN.md section 4; the authors' advice for language models): betas
+    Defaults for LLM pretraining (the authors' advice for language models; docs/optimizers.md): betas
     (0.95, 0.98), lr 1e-4 (3-10x below AdamW's 6e-4), weight decay 0.5 (3-10x AdamW's 0.1, keeping
     ``lr * wd`` in AdamW's range). The momentum knob sets ``beta2`` (memory) and ``beta1 = 1 - 2.5 (1 - beta2)``
     (the default pair's ratio of time constants); see :mod:`bubblefree.optim.registry`.

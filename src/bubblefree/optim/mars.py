@@ -12,7 +12,7 @@ one needs a second backward at the old weights, impossible under delay). With st
 
 Differences from the official code (AGI-Arena/MARS): eps sits where pytorch-optimizer 4.1.0 (the test oracle)
 puts it, inside ``(sqrt(v) + eps) / sqrt(1 - beta2^t)`` instead of ``sqrt(v) / sqrt(1 - beta2^t) + eps`` (relative
-difference of about eps / sqrt(v), 7e-5 over 30 steps in research/optimizers.md); ``last_grad`` is a *copy* of
+difference of about eps / sqrt(v)); ``last_grad`` is a *copy* of
 the gradient, whereas the official code aliases ``p.grad`` (corrupted by in-place zeroing or accumulation);
 1-D parameters, embeddings and the head are routed to AdamW groups by :func:`bubblefree.optim.build_optimizer`
 rather than by ``ndim`` inside the optimizer (official ``optimize_1d=False`` routes only by ``ndim``).
@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from bubblefree.optim.adamw import adamw_group_updates, check_adamw_hparams
-from bubblefree.optim.base import UpdateOptimizer, check_nonneg, group_by_step
+from bubblefree.optim.adamw import WithAdamWGroups, check_adamw_hparams
+from bubblefree.optim.base import check_nonneg, group_by_step
 
 __all__ = ["MARS", "mars_updates"]
 
@@ -78,15 +78,17 @@ def mars_updates(params: list[Tensor], grads: list[Tensor], state: dict[str, lis
     return updates
 
 
-class MARS(UpdateOptimizer):
+class MARS(WithAdamWGroups):
     """MARS-AdamW on param groups with ``use_mars=True`` (the default), AdamW on groups with ``use_mars=False``.
 
-    Defaults for LLM pretraining (DESIGN.md section 4; official GPT-2 125M config): lr 6e-3, betas (0.95, 0.99),
+    Defaults for LLM pretraining (the official GPT-2 125M config; docs/optimizers.md): lr 6e-3, betas (0.95, 0.99),
     gamma 0.025, eps 1e-8, weight decay 0.1 (the paper's; the official config uses 0.01). AdamW groups default to
     ``adamw_lr`` 3e-3, ``adamw_betas`` (0.9, 0.95), ``adamw_weight_decay`` 0.1 (official ``lr_1d``, ``betas_1d``,
     ``weight_decay_1d``). The momentum knob is ``betas[0]``, which also scales the correction
     ``gamma beta1 / (1 - beta1)``.
     """
+
+    route_key = "use_mars"
 
     def __init__(self, params, lr: float = 6e-3, betas: tuple[float, float] = (0.95, 0.99), eps: float = 1e-8,
                  weight_decay: float = 0.1, *, gamma: float = 0.025, adamw_lr: float = 3e-3,
@@ -94,24 +96,12 @@ class MARS(UpdateOptimizer):
                  adamw_weight_decay: float = 0.1, foreach: bool | None = None) -> None:
         check_adamw_hparams(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         check_nonneg("gamma", gamma)
-        check_adamw_hparams(lr=adamw_lr, betas=adamw_betas, eps=adamw_eps, weight_decay=adamw_weight_decay,
-                            prefix="adamw_")
-        self._aux_defaults = dict(lr=adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps,
-                                  weight_decay=adamw_weight_decay)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, gamma=gamma,
-                                      use_mars=True, foreach=foreach))
+                                      foreach=foreach),
+                         adamw_lr=adamw_lr, adamw_betas=adamw_betas, adamw_eps=adamw_eps,
+                         adamw_weight_decay=adamw_weight_decay)
 
-    def add_param_group(self, param_group):
-        if not param_group.get("use_mars", True):
-            for key, value in self._aux_defaults.items():
-                param_group.setdefault(key, value)
-            check_adamw_hparams(lr=param_group["lr"], betas=param_group["betas"], eps=param_group["eps"],
-                                weight_decay=param_group["weight_decay"])
-        super().add_param_group(param_group)
-
-    def _group_updates(self, group, params, grads):
-        if not group["use_mars"]:
-            return adamw_group_updates(self.state, group, params, grads, out_like=self._out_like)
+    def _matrix_updates(self, group, params, grads):
         for p in params:
             st = self.state[p]
             if "step" not in st:

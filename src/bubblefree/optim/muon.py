@@ -30,8 +30,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from bubblefree.optim.adamw import adamw_group_updates, check_adamw_hparams
-from bubblefree.optim.base import UpdateOptimizer, check_betas, check_nonneg, use_foreach
+from bubblefree.optim.adamw import WithAdamWGroups
+from bubblefree.optim.base import check_betas, check_nonneg, use_foreach
 
 __all__ = ["NS_COEFFICIENTS", "Muon", "adjust_lr", "muon_updates", "zeropower_via_newtonschulz5"]
 
@@ -110,10 +110,10 @@ def muon_updates(params: list[Tensor], grads: list[Tensor], bufs: list[Tensor], 
     return updates
 
 
-class Muon(UpdateOptimizer):
+class Muon(WithAdamWGroups):
     """Muon on param groups with ``use_muon=True`` (the default), AdamW on groups with ``use_muon=False``.
 
-    Defaults for LLM pretraining (DESIGN.md section 4, Keller Jordan): lr 0.02, momentum 0.95, Nesterov,
+    Defaults for LLM pretraining (Keller Jordan's; docs/optimizers.md): lr 0.02, momentum 0.95, Nesterov,
     "original" lr scaling; weight decay 0.1 (the paper's). AdamW groups default to ``adamw_lr`` 3e-3,
     ``adamw_betas`` (0.9, 0.95), ``adamw_eps`` 1e-8, ``adamw_weight_decay`` 0.1; a group may override any of
     ``lr``, ``betas``, ``eps``, ``weight_decay``. The momentum knob is ``momentum`` (mu).
@@ -121,11 +121,13 @@ class Muon(UpdateOptimizer):
     Args:
         ns_dtype: dtype of the Newton-Schulz iteration; None picks bfloat16 on CUDA and float32 elsewhere.
         foreach: False runs the per-tensor reference path (one NS call per matrix, AdamW single-tensor);
-            True the batched path; None (default) batched off the CPU only: on 2 CPU threads per-matrix
-            ``addmm`` beat the stacked ``baddbmm`` by ~30 % (measured on the benchmark's d=512 shapes).
+            True the batched path; None (default) batched off the CPU only: on the CPU, per-matrix ``addmm``
+            runs faster than the stacked ``baddbmm`` for transformer-sized matrices.
 
     A ``use_muon`` group given a parameter with fewer than two dimensions raises ValueError.
     """
+
+    route_key = "use_muon"
 
     def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, weight_decay: float = 0.1, *,
                  nesterov: bool = True, adjust_lr: str = "original", ns_steps: int = 5,
@@ -143,21 +145,13 @@ class Muon(UpdateOptimizer):
             raise ValueError(f"Invalid ns_steps: {ns_steps} (must be an integer in [1, 100))")
         if len(ns_coefficients) != 3:
             raise ValueError(f"Invalid ns_coefficients: {ns_coefficients} (expected three numbers)")
-        check_adamw_hparams(lr=adamw_lr, betas=adamw_betas, eps=adamw_eps, weight_decay=adamw_weight_decay,
-                            prefix="adamw_")
-        self._aux_defaults = dict(lr=adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps,
-                                  weight_decay=adamw_weight_decay)
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov, adjust_lr=adjust_lr,
                         ns_steps=ns_steps, ns_coefficients=tuple(ns_coefficients), eps=eps, ns_dtype=ns_dtype,
-                        use_muon=True, foreach=foreach)
-        super().__init__(params, defaults)
+                        foreach=foreach)
+        super().__init__(params, defaults, adamw_lr=adamw_lr, adamw_betas=adamw_betas, adamw_eps=adamw_eps,
+                         adamw_weight_decay=adamw_weight_decay)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        if not param_group.get("use_muon", True):
-            for key, value in self._aux_defaults.items():
-                param_group.setdefault(key, value)
-            check_adamw_hparams(lr=param_group["lr"], betas=param_group["betas"], eps=param_group["eps"],
-                                weight_decay=param_group["weight_decay"])
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         if group["use_muon"]:
@@ -166,9 +160,7 @@ class Muon(UpdateOptimizer):
                     raise ValueError(f"Invalid parameter for Muon: shape {tuple(p.shape)} has ndim {p.ndim} < 2; "
                                      "put it in a use_muon=False (AdamW) group")
 
-    def _group_updates(self, group, params, grads):
-        if not group["use_muon"]:
-            return adamw_group_updates(self.state, group, params, grads, out_like=self._out_like)
+    def _matrix_updates(self, group, params, grads):
         for p in params:
             if "momentum_buffer" not in self.state[p]:
                 self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)

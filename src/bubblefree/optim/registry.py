@@ -1,7 +1,7 @@
 """One table of the project's optimizers and ``build_optimizer(model, cfg)``, which routes parameters.
 
-Each :class:`OptimizerSpec` holds the LLM-pretraining defaults of DESIGN.md section 4, how the one
-``momentum`` knob of DESIGN.md section 1 maps onto the optimizer's own coefficients, whether hidden matrices
+Each :class:`OptimizerSpec` holds the LLM-pretraining defaults (docs/optimizers.md), how the one
+``momentum`` knob (docs/spec.md section 7) maps onto the optimizer's own coefficients, whether hidden matrices
 get their own rule (Muon, MARS: embeddings, head, norms and biases go to AdamW groups), and a factory for the
 installed reference implementation that the tests and the benchmark compare against. Adding an optimizer is
 one entry in :data:`OPTIMIZERS`.
@@ -119,7 +119,7 @@ def param_groups(model: nn.Module, route_key: str | None, *, adamw_lr: float) ->
 def build_optimizer(model: nn.Module, cfg) -> UpdateOptimizer:
     """The optimizer ``cfg.name`` over ``model``'s parameters, with ``cfg``'s lr, momentum and weight decay.
 
-    ``cfg`` is a :class:`bubblefree.train.config.OptimConfig`: ``lr <= 0`` and ``adamw_lr <= 0`` take the
+    ``cfg`` is a :class:`bubblefree.config.OptimConfig`: ``lr <= 0`` and ``adamw_lr <= 0`` take the
     registry default, a negative ``momentum`` the optimizer's default, ``max_precond_dim = 0`` SOAP's.
     Unknown names raise ValueError.
     """

@@ -24,7 +24,7 @@ inverse (``Q_L X Q_R^T``), the step ``t`` with ``k = t - 1`` is
 A dimension longer than ``max_precond_dim`` keeps the identity basis, and so do 1-D parameters unless
 ``precondition_1d``: those get plain Adam. ``b_s`` is ``shampoo_beta`` (``beta2`` when None). The update
 is the one of the official code (nikhilvyas/SOAP, ``main`` branch) as ported by pytorch-optimizer 4.1.0,
-which matches the official trajectory to 8.6e-6 (research/optimizers.md); weight decay there is applied
+which the tests take as the reference; weight decay there is applied
 *after* the step, with the current learning rate, which is why ``u_t`` carries the cross term above.
 
 Why the trajectory is well defined although eigenvectors are not: flipping the sign of a column of ``Q_i``
@@ -35,7 +35,7 @@ sort-and-permute of the refresh. Only a repeated (or nearly repeated) eigenvalue
 linear-algebra library's rounding; the state depends on the gradients alone, so identical gradients and
 identical floating-point operations give an identical trajectory.
 
-The momentum knob of DESIGN.md section 1 is ``beta1``. Defaults are the official ones for LLM
+The momentum knob (docs/spec.md section 7) is ``beta1``. Defaults are the official ones for LLM
 pretraining: lr 3e-3, betas (0.95, 0.95), shampoo_beta = beta2, precondition_frequency 10,
 weight_decay 0.01 (the paper's runs use 0.1 through the config).
 

@@ -1,7 +1,7 @@
-"""The one table of gradient delays per pipeline schedule, used by the trainer, the runtime and the simulator.
+"""The one table of gradient delays per pipeline schedule (docs/spec.md section 4).
 
 A schedule's *delay* at a pipeline partition is the number of optimizer steps that land on that partition
-between the forward of a batch and the update that applies its gradient (DESIGN.md section 1): the gradient
+between the forward of a batch and the update that applies its gradient (docs/spec.md): the gradient
 of batch ``t`` is evaluated at ``x_{t-d}`` and applied to ``x_t``. The unit is always **one optimizer step
 of the simulation** (one whole batch of ``batch_size`` sequences).
 
@@ -15,7 +15,7 @@ of the simulation** (one whole batch of ``batch_size`` sequences).
 *PipeDream.* The original updates once per microbatch with no gradient accumulation; stage ``s`` updates
 while ``P-1-s`` later microbatches are in flight. The simulation keeps its unit (one optimizer step = one
 whole batch), so ``pipedream`` here means "each stage is ``P-1-s`` optimizer steps stale", which compares
-it with 2BW at the same batch size per step (DESIGN.md section 1).
+it with 2BW at the same batch size per step.
 
 *WPipe* (Yang et al., ICLR 2022): the model is cut into ``2P`` partitions over ``P`` devices, device ``s``
 holding partitions ``s`` and ``s+P``; ``P`` microbatches accumulate per step and the two halves update
@@ -41,7 +41,8 @@ from torch import nn
 __all__ = ["SCHEDULES", "n_partitions", "parameter_delays", "stage_delays", "weight_versions"]
 
 SCHEDULES: tuple[str, ...] = ("sync", "gpipe", "1f1b", "2bw", "pipedream", "wpipe")
-"""Every schedule name the trainer, the runtime and the simulator accept (``pipeline.schedule``)."""
+"""Every value of ``pipeline.schedule``. The simulation runs them all; the distributed runtime runs all but
+``wpipe`` (``config.DISTRIBUTED_SCHEDULES``); ``bubblefree simulate`` draws those of ``schedules.ir``."""
 
 
 def _check(schedule: str, n_stages: int) -> None:

@@ -1,11 +1,11 @@
 """Training: typed run configuration, presets, the loop, the single-process executor, checkpoints, metrics."""
 
 from bubblefree.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from bubblefree.train.config import (Config, DataConfig, DelayConfig, LogConfig, ModelConfig, OptimConfig,
-                                     PipelineConfig, TrainConfig, dump_toml, load_config, validate)
+from bubblefree.config import (Config, DataConfig, DelayConfig, LogConfig, ModelConfig, OptimConfig,
+                               PipelineConfig, TrainConfig, dump_toml, validate)
 from bubblefree.train.executor import Executor, StepStats
 from bubblefree.train.loop import train
-from bubblefree.train.presets import PRESETS, get_preset
+from bubblefree.train.presets import PRESETS, get_preset, load_config
 
 __all__ = [
     "PRESETS",

@@ -1,8 +1,8 @@
 """The one seam between the training loop and how a step is executed.
 
-The loop (``bubblefree.train.loop``) is the same for every runtime; it picks an :class:`Executor` once:
-the single-process simulation (``bubblefree.train.sim``) or the torch.distributed pipeline
-(``bubblefree.distributed``). Both run the same schedule delays, optimizer and corrections.
+The loop (``bubblefree.train.loop``) is the same for every runtime; it runs one :class:`Executor`: the
+single-process simulation (``bubblefree.train.sim``) or, given by the launcher, the torch.distributed
+pipeline (``bubblefree.distributed``). Both run the same schedule delays, optimizer and corrections.
 
 In a distributed run every process runs the same loop and makes the same calls in the same order (they are
 collective: a step, an evaluation, a checkpoint's ``state_dict``); ``is_writer`` says which single process

@@ -1,7 +1,9 @@
 """The training loop: seed, build, pick the executor once, step, log, evaluate, checkpoint, plot, summarise.
 
 The loop is the same for the single-process simulation and the distributed runtime; everything
-runtime-specific lives behind :class:`bubblefree.train.executor.Executor`. The learning rate follows the
+runtime-specific lives behind :class:`bubblefree.train.executor.Executor`. The loop builds the simulation's
+executor itself; the distributed runtime's launcher passes the factory of its own (``train(executor=...)``),
+so this module never imports the runtime that imports it. The learning rate follows the
 paper's recipe (``optim.lr_scale``: 10 % linear warmup, cosine to 10 % of peak).
 
 A step whose loss or gradient norm is not finite ends the run with :class:`TrainingDiverged` (exit code 3),
@@ -24,17 +26,17 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from bubblefree.errors import UserError
+from bubblefree.errors import TrainingDiverged, UserError
 from bubblefree.optim.schedule import lr_scale
 from bubblefree.train.checkpoint import (CHECKPOINT_DIR, latest_checkpoint, load_checkpoint, restore_rng,
                                          save_checkpoint)
-from bubblefree.train.config import (Config, apply_overrides, config_diff, config_from_dict, config_to_dict, dump_toml,
-                                     validate)
+from bubblefree.config import (Config, apply_overrides, config_diff, config_from_dict, config_to_dict, dump_toml,
+                               unused_keys, validate)
 from bubblefree.train.executor import Executor
 from bubblefree.train.metrics import METRICS_FILE, MetricsWriter, plot_losses, progress_bar, tensorboard_writer
 
-__all__ = ["RESUMABLE_KEYS", "Interrupted", "SetupBarrier", "StopRule", "TrainingDiverged", "check_fresh_out_dir",
-           "check_lengths", "make_executor", "resolved", "train"]
+__all__ = ["RESUMABLE_KEYS", "ExecutorFactory", "Interrupted", "SetupBarrier", "StopRule", "TrainingDiverged",
+           "check_fresh_out_dir", "check_lengths", "resolved", "train"]
 
 # Keys a resumed run may change: they decide what is logged, kept or how long the run is, not the trajectory
 # of the steps already taken (a longer ``train.steps`` stretches the cosine over the new length from here on).
@@ -48,9 +50,10 @@ SetupBarrier = Callable[[Config, "BaseException | None"], None]
 failed, before the executor is built; the distributed runtime passes a collective that makes every rank fail
 with the first failure, or when the ranks' configs differ (``distributed.mesh.agree``)."""
 
-
-class TrainingDiverged(RuntimeError):
-    """A step's loss or gradient norm is not finite (``train.nonfinite = "stop"``); the CLI exits 3."""
+ExecutorFactory = Callable[[Config, torch.nn.Module, Any, Path], Executor]
+"""Builds a process's executor from ``(config, model, data, out_dir)``. The loop builds the single-process
+:class:`~bubblefree.train.sim.SimExecutor` itself; the distributed runtime's launcher, which sits above the
+loop, passes one that builds a :class:`~bubblefree.distributed.DistributedExecutor` on every rank."""
 
 
 def check_fresh_out_dir(out_dir: Path) -> None:
@@ -63,17 +66,14 @@ def check_fresh_out_dir(out_dir: Path) -> None:
                         f"continue it with --resume {out_dir} or choose another --out")
 
 
-def make_executor(config: Config, model: torch.nn.Module, data: Any, out_dir: Path) -> Executor:
-    """The one place the runtime is chosen (the distributed runtime writes its per-rank traces to ``out_dir``)."""
-    if config.pipeline.runtime == "sim":
-        from bubblefree.train.sim import SimExecutor
+def _sim_executor(config: Config, model: torch.nn.Module, data: Any, out_dir: Path) -> Executor:
+    if config.pipeline.runtime != "sim":
+        raise UserError("Invalid pipeline.runtime: 'distributed' needs one process per stage: run it with "
+                        "bubblefree train, under torchrun (python -m bubblefree.distributed) or with "
+                        "bubblefree.distributed.launch_local")
+    from bubblefree.train.sim import SimExecutor
 
-        return SimExecutor(config, model, data)
-    try:
-        from bubblefree.distributed import DistributedExecutor
-    except ImportError:
-        raise UserError("Invalid pipeline.runtime: 'distributed' is not available in this build") from None
-    return DistributedExecutor(config, model, data, out_dir=out_dir)
+    return SimExecutor(config, model, data)
 
 
 def _seed_everything(seed: int) -> None:
@@ -216,8 +216,8 @@ def _resume_state(config: Config, out_dir: Path, resume: bool | str | Path, voca
     return ckpt
 
 
-def _build(config: Config, out_dir: Path, resume: bool | str | Path,
-           barrier: SetupBarrier | None) -> tuple[Executor, dict[str, Any] | None, dict[str, int], Any]:
+def _build(config: Config, out_dir: Path, resume: bool | str | Path, barrier: SetupBarrier | None,
+           make_executor: ExecutorFactory) -> tuple[Executor, dict[str, Any] | None, dict[str, int], Any]:
     """Validate, load data, build the model and executor and restore the checkpoint; write nothing.
 
     Every process of a distributed run reads the checkpoint file itself (so a multi-node resume needs the run
@@ -230,9 +230,6 @@ def _build(config: Config, out_dir: Path, resume: bool | str | Path,
     failure, ckpt = None, None
     try:
         validate(config)
-        if config.train.nonfinite == "skip" and config.pipeline.runtime != "sim":
-            raise UserError("Invalid train.nonfinite: 'skip' needs pipeline.runtime = 'sim' (the stages of an "
-                            "asynchronous pipeline update before the step's loss is known); use 'stop'")
         if config.log.tensorboard:
             tensorboard_writer()
         check_lengths(config)
@@ -279,7 +276,8 @@ def _diverged(step: int, stats: Any, out_dir: Path) -> TrainingDiverged:
 
 
 def train(config: Config, *, out_dir: str | Path, resume: bool | str | Path = False,
-          barrier: SetupBarrier | None = None, stop: StopRule | None = None) -> dict[str, Any]:
+          barrier: SetupBarrier | None = None, stop: StopRule | None = None,
+          executor: ExecutorFactory | None = None) -> dict[str, Any]:
     """Train as ``config`` says, writing config.toml, metrics.jsonl, checkpoints and loss.png to ``out_dir``.
 
     With ``resume`` the newest checkpoint in ``out_dir`` (or the checkpoint file ``resume`` names) is loaded
@@ -288,7 +286,8 @@ def train(config: Config, *, out_dir: str | Path, resume: bool | str | Path = Fa
     the library while setting up is invalid input too: that is how the library reports bad arguments).
     ``barrier`` (:data:`SetupBarrier`) lets the processes of a distributed run meet once after their setup;
     ``stop`` (:class:`StopRule`) makes them stop after the same step on SIGINT or SIGTERM (default: this
-    process stops after the step it is in).
+    process stops after the step it is in); ``executor`` (:data:`ExecutorFactory`) builds their executor
+    (default: the single-process simulation).
 
     Every process of a distributed run calls this; they make the same executor calls in the same order, and
     only the executor's writer writes files and prints (the others return an empty summary).
@@ -297,16 +296,16 @@ def train(config: Config, *, out_dir: str | Path, resume: bool | str | Path = Fa
     if config.train.threads:
         torch.set_num_threads(config.train.threads)
     try:
-        return _run(config, Path(out_dir), resume, barrier, stop)
+        return _run(config, Path(out_dir), resume, barrier, stop, executor or _sim_executor)
     finally:
         torch.set_num_threads(threads)
 
 
-def _run(config: Config, out_dir: Path, resume: bool | str | Path,
-         barrier: SetupBarrier | None, stop: StopRule | None) -> dict[str, Any]:
+def _run(config: Config, out_dir: Path, resume: bool | str | Path, barrier: SetupBarrier | None,
+         stop: StopRule | None, make_executor: ExecutorFactory) -> dict[str, Any]:
     cfg = config.train
     try:
-        executor, ckpt, counts, data = _build(config, out_dir, resume, barrier)
+        executor, ckpt, counts, data = _build(config, out_dir, resume, barrier, make_executor)
     except UserError:
         raise
     except ValueError as e:
@@ -321,6 +320,8 @@ def _run(config: Config, out_dir: Path, resume: bool | str | Path,
         _write_atomic(out_dir / CONFIG_FILE, dump_toml(config_from_dict(saved)))
         print(f"bubblefree: {'resuming' if resume else 'training'} {_model_name(config, counts, data)} on "
               f"{data.source}, step {start}/{cfg.steps}; outputs in {out_dir}", flush=True)
+        for line in unused_keys(config):
+            print(f"bubblefree: note: {line}", flush=True)
         metrics = MetricsWriter(out_dir, tensorboard=config.log.tensorboard, resume_step=start if resume else None)
     bar = progress_bar(total=cfg.steps, initial=start, enabled=writer and config.log.progress)
     plain = writer and config.log.progress and bar.disable  # no terminal (a log file, nohup): plain lines

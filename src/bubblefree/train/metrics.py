@@ -3,7 +3,7 @@ the loss plot.
 
 Every line of ``metrics.jsonl`` holds ``step`` (optimizer steps done), ``tokens`` (training tokens seen),
 ``loss`` (that step's training cross-entropy), ``lr``, ``tokens_per_s`` (over the logging window, evaluation
-time excluded), ``grad_norm`` (before clipping), and ``val_loss`` on evaluation steps (DESIGN.md section 6).
+time excluded), ``grad_norm`` (before clipping), and ``val_loss`` on evaluation steps (docs/training.md).
 The file is line-buffered and flushed per line, so a killed run keeps everything logged so far.
 """
 

@@ -2,8 +2,9 @@
 
 ``demo`` is the default run (bare ``bubblefree train``): the paper's recipe (arXiv 2606.30634) of Muon on
 a PipeDream-2BW pipeline (delay 1 on every stage) with Error Feedback, in the single-process simulation,
-on the embedded corpus, sized from DESIGN.md section 7 (a ~3M model, sequence 128, batch 16, 300 steps
-took 1.5-2 minutes on 2 CPU cores). The other presets change one thing each so runs compare cleanly.
+on the embedded corpus: llama-5m (3.3M parameters at the 4096 BPE vocabulary), sequence 128, batch 16,
+300 steps (docs/training.md gives its run time). The other presets change one thing each so runs compare
+cleanly.
 """
 
 from __future__ import annotations
@@ -12,12 +13,13 @@ import dataclasses
 import difflib
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from bubblefree.errors import UserError
-from bubblefree.train.config import Config, apply_overrides
+from bubblefree.config import Config, apply_overrides, config_from_dict, parse_override, read_toml, validate
 
-__all__ = ["PRESETS", "async_baseline", "demo", "get_preset", "pipedream", "run_dir", "smoke", "sync_baseline",
-           "train_config"]
+__all__ = ["PRESETS", "async_baseline", "demo", "get_preset", "load_config", "pipedream", "run_dir", "smoke",
+           "sync_baseline", "train_config"]
 
 
 def demo() -> Config:
@@ -75,13 +77,26 @@ def get_preset(name: str) -> Config:
     return config
 
 
-def train_config(preset: str | None, config_file: str | None, overrides: list[str], resume: str | None):
+def load_config(preset: str | None = None, toml_path: str | Path | None = None,
+                overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Resolve a run's configuration with precedence preset < TOML file < ``--set`` overrides, then validate.
+
+    ``preset=None`` is the default run (``demo``, the paper's recipe). ``overrides`` are ``section.key=value``.
+    """
+    config = get_preset(preset or "demo")
+    if toml_path is not None:
+        config = config_from_dict(read_toml(toml_path), base=config, origin=f"config file {toml_path}")
+    parsed: dict[str, Any] = {}
+    for text in overrides:
+        key, value = parse_override(config, text)
+        parsed[key] = value
+    return validate(apply_overrides(config, parsed))
+
+
+def train_config(preset: str | None, config_file: str | None, overrides: list[str], resume: str | None) -> Config:
     """The Config of a ``train`` command line: preset < ``--config`` < ``--set``, or with ``resume`` the run's
     own config.toml < ``--set`` (a preset or config file is refused then). Shared by ``bubblefree train`` and
     every rank under torchrun (``python -m bubblefree.distributed``)."""
-    from bubblefree.train.config import (apply_overrides, config_from_dict, load_config, parse_override,
-                                         read_toml, validate)
-
     if resume is None:
         return load_config(preset, config_file, overrides)
     if preset is not None or config_file is not None:

@@ -1,6 +1,6 @@
 """The single-process executor: an exact simulation of a (possibly asynchronous) pipeline's training step.
 
-One optimizer step ``t`` of a pipeline with ``P`` stages and ``M`` microbatches computes (DESIGN.md section 1)
+One optimizer step ``t`` of a pipeline with ``P`` stages and ``M`` microbatches computes (docs/spec.md)
 
     g_t = (1/M) sum_m grad f(x_{t-d_s}; b_{t,m})   on the parameters of stage s,
     x_{t+1} = x_t - u_t (+ the configured correction),
@@ -17,42 +17,20 @@ applies no update (docs/reliability.md).
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from bubblefree.data import eval_batches, get_batch
+from bubblefree.config import Config
 from bubblefree.delay import build_delayed
-from bubblefree.models.split import param_stages
+from bubblefree.models import aux_loss_sum, token_loss
 from bubblefree.optim import build_optimizer, clip_stage_grads, set_lr_scale
-from bubblefree.schedules.delays import n_partitions, parameter_delays
-from bubblefree.train.config import Config
+from bubblefree.train.build import (autocast_for, parameter_placement, resolve_device, train_microbatch,
+                                    validation_batches)
 from bubblefree.train.executor import StepStats
 
-__all__ = ["SimExecutor", "autocast_for", "resolve_device"]
-
-
-def resolve_device(name: str) -> torch.device:
-    """``auto`` is CUDA when available, else CPU; asking for CUDA without one is a ValueError."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("Invalid train.device: 'cuda' (no CUDA device is available)")
-    return torch.device(name)
-
-
-def autocast_for(dtype: str, device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
-    """A factory of the forward's autocast context: bf16 for ``bfloat16``, and for ``auto`` on CUDA; else none.
-
-    Shared by the simulation and the distributed runtime so both compute in the same precision.
-    """
-    if dtype == "bfloat16" or (dtype == "auto" and device.type == "cuda"):
-        return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext
+__all__ = ["SimExecutor"]
 
 
 class SimExecutor:
@@ -73,22 +51,14 @@ class SimExecutor:
         self._autocast = autocast_for(config.train.dtype, self.device)
 
         self.optimizer = build_optimizer(model, config.optim)
-        # WPipe cuts the model into 2P partitions, device s holding partitions s and s+P; every other
-        # schedule has one partition per stage. Delays follow partitions, clipping follows devices.
-        schedule, n_stages = config.pipeline.schedule, config.pipeline.stages
-        partition_of = param_stages(model, n_partitions(schedule, n_stages))
-        delays = parameter_delays(model, self.optimizer, schedule, n_stages, partition_of)
-        names = {id(p): name for name, p in model.named_parameters()}
-        device_of = [partition_of[names[id(p)]] % n_stages for p in self.optimizer.params()]
-        self.stage_params = [[p for p, s in zip(self.optimizer.params(), device_of) if s == stage]
-                             for stage in range(n_stages)]
+        delays, self.stage_params = parameter_placement(model, self.optimizer, config)
         self.delayed = build_delayed(self.optimizer, delays=delays, config=config.delay,
                                      total_steps=config.train.steps)
 
     def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with self._autocast():
             logits = self.model(x)
-        return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        return token_loss(logits, y)
 
     def train_step(self, step: int, lr_scale: float) -> StepStats:
         cfg, n_micro = self.config, self.config.pipeline.microbatches
@@ -96,16 +66,14 @@ class SimExecutor:
         set_lr_scale(self.optimizer, lr_scale)
         self.delayed.zero_grad()
         total = torch.zeros((), device=self.device)
-        aux = 0.0  # summed lazily: no device sync per microbatch
+        aux: torch.Tensor | float = 0.0  # a device tensor (for MoE models): read once, after the backward
         with self.delayed.stale_params():
             for micro in range(n_micro):
-                x, y = get_batch(self.data.train, seed=cfg.train.seed, step=step, microbatch=micro,
-                                 batch_size=cfg.train.batch_size // n_micro, seq_len=cfg.train.seq_len,
-                                 device=self.device)
+                x, y = train_microbatch(cfg, self.data.train, step, micro, self.device)
                 loss = self._loss(x, y)
                 (loss / n_micro).backward()
                 total += loss.detach()
-                aux = aux + self.model.aux_loss()
+                aux = aux + aux_loss_sum(self.model)
         norms = [clip_stage_grads(params, cfg.train.grad_clip, n_stages=len(self.stage_params))
                  for params in self.stage_params]
         # The norms are host floats, so the device has finished the backward: reading the loss costs no wait.
@@ -120,11 +88,8 @@ class SimExecutor:
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean cross-entropy over ``train.eval_batches`` fixed validation batches at the current weights."""
-        cfg = self.config.train
         self.model.eval()
-        losses = [self._loss(x, y) for x, y in eval_batches(self.data.val, n_batches=cfg.eval_batches,
-                                                             batch_size=cfg.batch_size, seq_len=cfg.seq_len,
-                                                             device=self.device)]
+        losses = [self._loss(x, y) for x, y in validation_batches(self.config, self.data.val, self.device)]
         return float(torch.stack(losses).mean())
 
     def state_dict(self) -> dict[str, Any]:

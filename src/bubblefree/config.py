@@ -1,8 +1,14 @@
-"""Typed run configuration: one dataclass per section, a docstring per field.
+"""Typed run configuration, the bottom layer of the package: one dataclass per section, a docstring per field.
 
 Every key is addressable from the command line as ``--set section.key=value`` and from a TOML file with
-``[section]`` tables (DESIGN.md section 6 names the keys other parts rely on). Defaults follow the paper's
-recipe (arXiv 2606.30634): cosine decay to 10 % of peak after 10 % warmup, clipping 1.0, weight decay 0.1.
+``[section]`` tables. Defaults follow the paper's recipe (arXiv 2606.30634): cosine decay to 10 % of peak
+after 10 % warmup, clipping 1.0, weight decay 0.1.
+
+This module imports nothing from the rest of the package, so every part can read a config, and it holds
+every rule a config must satisfy in one :func:`validate`: a key's own rules are its field's metadata
+(``choices``, bounds, the optimizers the key applies to), the rules that relate keys are written out in
+:func:`validate`. The names owned by registries higher up (optimizers, model presets, schedules,
+corrections) are listed here as choices; a test checks each list against the registry that owns it.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from bubblefree.errors import UserError
 
 __all__ = [
     "CHOICES",
+    "DISTRIBUTED_SCHEDULES",
     "Config",
     "DataConfig",
     "DelayConfig",
@@ -37,21 +44,44 @@ __all__ = [
     "config_to_dict",
     "dump_toml",
     "field_docs",
-    "load_config",
     "parse_override",
     "read_toml",
     "reference_markdown",
+    "unused_keys",
     "validate",
 ]
+
+MODEL_PRESETS = ("llama-1m", "llama-5m", "llama-20m", "moe-20m", "smollm2-135m", "smollm2-360m", "moe-2b",
+                 "moe-10b", "deep-1m", "deep-3m", "deep-30m", "moe-1m", "moe-6m", "byte-0.5m", "byte-deep-0.5m",
+                 "byte-moe-0.5m")
+"""The names of ``bubblefree.models.PRESETS``."""
+OPTIMIZERS = ("adamw", "muon", "lion", "adan", "mars", "soap")
+"""The names of ``bubblefree.optim.OPTIMIZERS``."""
+SCHEDULES = ("sync", "gpipe", "1f1b", "2bw", "pipedream", "wpipe")
+"""``bubblefree.schedules.SCHEDULES``."""
+DISTRIBUTED_SCHEDULES = ("sync", "gpipe", "1f1b", "2bw", "pipedream")
+"""The schedules the distributed runtime runs (``wpipe`` puts two model partitions on each device)."""
+CORRECTIONS = ("none", "ef", "taylor", "nesterov", "predict")
+"""``bubblefree.delay.CORRECTIONS``."""
+
+
+def _key(default: Any, *, choices: tuple[str, ...] = (), gt: float | None = None, ge: float | None = None,
+         lt: float | None = None, le: float | None = None, only_for: tuple[str, ...] = (), note: str = "") -> Any:
+    """A config field with its own rules as metadata: the allowed ``choices``; bounds ``gt``, ``ge``, ``lt``,
+    ``le`` (``note`` is added to the message of a value outside them); ``only_for``: the ``optim.name`` values
+    the key applies to (:func:`unused_keys` names it when set for another optimizer)."""
+    rules = {k: v for k, v in (("choices", choices), ("gt", gt), ("ge", ge), ("lt", lt), ("le", le),
+                                ("only_for", only_for), ("note", note)) if v not in ((), None, "")}
+    return field(default=default, metadata=rules)
 
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    preset: str = "llama-5m"
+    preset: str = _key("llama-5m", choices=MODEL_PRESETS)
     """Model preset name (see ``bubblefree.models.PRESETS``): llama-1m, llama-5m, llama-20m, moe-20m,
-    smollm2-135m, smollm2-360m, ... (llama-5m with a 4096 vocabulary is the 3.3M model of DESIGN.md section 7)."""
+    smollm2-135m, smollm2-360m, ... (llama-5m with a 4096 vocabulary has 3.3M parameters)."""
 
-    vocab_size: int = 0
+    vocab_size: int = _key(0, ge=0)
     """Vocabulary size; 0 takes the tokenizer's."""
 
 
@@ -61,11 +91,11 @@ class DataConfig:
     """``embedded`` (the vendored public-domain corpus), a path to a text file or folder, a folder of
     nanoGPT-style ``.bin`` shards, or ``hf:NAME`` for a Hugging Face ``datasets`` dataset (optional extra)."""
 
-    tokenizer: str = "bpe"
+    tokenizer: str = _key("bpe", choices=("bpe", "byte"))
     """``bpe`` (byte-level BPE trained on first use and cached) or ``byte`` (256 symbols, needs nothing)."""
 
-    vocab_size: int = 4096
-    """BPE vocabulary size (4096 as in the CPU prototype of DESIGN.md section 7)."""
+    vocab_size: int = _key(4096, gt=0)
+    """BPE vocabulary size."""
 
     cache_dir: str = ""
     """Where tokenizers and token streams are cached; empty means ``$BUBBLEFREE_CACHE`` or ``~/.cache/bubblefree``."""
@@ -73,23 +103,23 @@ class DataConfig:
 
 @dataclass(kw_only=True)
 class OptimConfig:
-    name: str = "muon"
+    name: str = _key("muon", choices=OPTIMIZERS)
     """One of adamw, muon, soap, adan, lion, mars."""
 
-    lr: float = 0.0
+    lr: float = _key(0.0, ge=0)
     """Peak learning rate; 0 takes the optimizer's documented default for LLM pretraining."""
 
-    momentum: float = -1.0
-    """The momentum knob of DESIGN.md section 1 (AdamW beta1, Muon mu, SOAP beta1, Adan beta1, Lion beta2,
-    MARS beta1); negative takes the optimizer's default."""
+    momentum: float = _key(-1.0, lt=1, note="negative = default")
+    """The one momentum knob of every optimizer (AdamW beta1, Muon mu, SOAP beta1, Adan beta1, Lion beta2,
+    MARS beta1; docs/optimizers.md); negative takes the optimizer's default."""
 
-    weight_decay: float = 0.1
+    weight_decay: float = _key(0.1, ge=0)
     """Decoupled weight decay (the paper uses 0.1)."""
 
-    adamw_lr: float = 0.0
+    adamw_lr: float = _key(0.0, ge=0, only_for=("muon", "mars"))
     """Learning rate of the AdamW part of Muon and MARS (embeddings, head, norms); 0 takes the default."""
 
-    max_precond_dim: int = 0
+    max_precond_dim: int = _key(0, ge=0, only_for=("soap",))
     """SOAP only: dimensions longer than this keep the identity basis (Adam along them); 0 takes SOAP's
     10000. The paper's 49152 vocabulary is never preconditioned; a small vocabulary needs a smaller value for
     the same regime."""
@@ -97,56 +127,56 @@ class OptimConfig:
 
 @dataclass(kw_only=True)
 class TrainConfig:
-    steps: int = 300
+    steps: int = _key(300, gt=0)
     """Optimizer steps."""
 
-    batch_size: int = 16
+    batch_size: int = _key(16, gt=0)
     """Sequences per optimizer step (split into ``pipeline.microbatches`` microbatches)."""
 
-    seq_len: int = 128
+    seq_len: int = _key(128, gt=0)
     """Tokens per sequence."""
 
-    seed: int = 0
+    seed: int = _key(0, ge=0)
     """Seeds model init and the data order; batches are a function of (seed, step, microbatch)."""
 
-    warmup_frac: float = 0.1
+    warmup_frac: float = _key(0.1, ge=0, le=1)
     """Linear warmup over this fraction of the steps."""
 
-    min_lr_frac: float = 0.1
+    min_lr_frac: float = _key(0.1, ge=0, le=1)
     """Cosine decay ends at this fraction of the peak learning rate."""
 
-    grad_clip: float = 1.0
+    grad_clip: float = _key(1.0, ge=0)
     """Gradient-norm clip (0 disables). With P pipeline stages each stage clips its own gradients to
     ``grad_clip / sqrt(P)`` so no pipeline-wide barrier is needed; P = 1 is ordinary global clipping."""
 
-    eval_every: int = 50
+    eval_every: int = _key(50, ge=0)
     """Evaluate on the validation split every N steps (and at the end); 0 only at the end."""
 
-    eval_batches: int = 8
+    eval_batches: int = _key(8, gt=0)
     """Validation batches per evaluation (fixed, deterministic windows)."""
 
-    log_every: int = 10
+    log_every: int = _key(10, gt=0)
     """Write one metrics line every N steps."""
 
-    ckpt_every: int = 50
+    ckpt_every: int = _key(50, ge=0)
     """Checkpoint every N steps (0: only at the end). The demo's 300 steps take 2 minutes on 2 idle cores and
     can take an hour on a busy machine: a crash then loses at most 50 steps."""
 
-    ckpt_keep: int = 2
+    ckpt_keep: int = _key(2, gt=0)
     """Keep the newest N checkpoints of the run; older ones are deleted after a new one is safely written."""
 
-    device: str = "auto"
+    device: str = _key("auto", choices=("auto", "cpu", "cuda"))
     """``auto`` (cuda if available), ``cpu`` or ``cuda``."""
 
-    dtype: str = "auto"
+    dtype: str = _key("auto", choices=("auto", "float32", "bfloat16"))
     """Compute dtype: ``auto`` (bf16 autocast on GPU, fp32 on CPU), ``float32`` or ``bfloat16``."""
 
-    nonfinite: str = "stop"
+    nonfinite: str = _key("stop", choices=("stop", "skip"))
     """A step whose loss or gradient norm is not finite: ``stop`` (exit code 3, naming the step and the last
     good checkpoint) or ``skip`` (no update for that batch, counted as ``skipped`` in metrics.jsonl; the
     simulation only). See docs/reliability.md."""
 
-    threads: int = 0
+    threads: int = _key(0, ge=0)
     """CPU threads for torch's kernels; 0 keeps torch's default (one per core). Importing bubblefree sets
     ``OMP_WAIT_POLICY=PASSIVE`` (unless set), so idle threads sleep instead of spinning for busy cores: on a
     loaded machine that made the demo 3-7x faster (docs/training.md, "Threads")."""
@@ -160,31 +190,31 @@ class TrainConfig:
 
 @dataclass(kw_only=True)
 class PipelineConfig:
-    schedule: str = "2bw"
+    schedule: str = _key("2bw", choices=SCHEDULES)
     """``sync``, ``gpipe``, ``1f1b`` (synchronous), ``2bw`` (delay 1 on every stage), ``pipedream``
     (delay P-1-s at stage s), ``wpipe``."""
 
-    stages: int = 2
+    stages: int = _key(2, gt=0)
     """Pipeline stages P (the simulation uses them for per-stage delays and clipping)."""
 
-    microbatches: int = 2
+    microbatches: int = _key(2, gt=0)
     """Microbatches per optimizer step (gradient accumulation in the simulation)."""
 
-    runtime: str = "sim"
+    runtime: str = _key("sim", choices=("sim", "distributed"))
     """``sim`` (one process, exact delayed-gradient simulation) or ``distributed`` (one process per stage)."""
 
 
 @dataclass(kw_only=True)
 class DelayConfig:
-    correction: str = "ef"
+    correction: str = _key("ef", choices=CORRECTIONS)
     """``none``, ``ef`` (Error Feedback), ``taylor`` (DC-ASGD), ``nesterov`` (Ajanthan et al. 2025), ``predict``
     (weight prediction: the stale gradient is taken at the weights extrapolated along their last change). The
     rules are in docs/delay.md."""
 
-    ef_beta: float = 1.0
+    ef_beta: float = _key(1.0, ge=0, le=1)
     """Error Feedback coefficient beta in [0, 1]: x_{t+1} = x_t - u_t - beta (u_t - u_{t-d}); 1 is the paper's rule."""
 
-    taylor_lambda: float = 0.0
+    taylor_lambda: float = _key(0.0, ge=0)
     """Taylor (DC-ASGD) coefficient lambda: the optimizer sees g + lambda g*g*(x_t - x_{t-d}). Must be > 0 with
     ``correction = "taylor"`` (0 would be the plain delay, which is ``correction = "none"``)."""
 
@@ -192,18 +222,18 @@ class DelayConfig:
     """Taylor only: DC-ASGD-a, lambda divided elementwise by sqrt(v + 1e-7), v the running mean square of the
     gradient (decay 0.95, the DC-ASGD paper's constants): the term then grows like |g|, not g*g."""
 
-    nesterov_gamma: float = 0.99
+    nesterov_gamma: float = _key(0.99, ge=0, lt=1)
     """Nesterov only: the momentum gamma in [0, 1) of Ajanthan et al. 2025 (their 0.99; a time constant of
     1 / (1 - gamma) steps)."""
 
-    predict_scale: float = 1.0
+    predict_scale: float = _key(1.0, gt=0)
     """Weight prediction only: alpha > 0 in x^ = x_j + alpha d (x_j - x_{j-1}); 1 extrapolates the last change of
     the weights linearly over the d steps of delay."""
 
-    sync_start_steps: int = 0
+    sync_start_steps: int = _key(0, ge=0)
     """Train the first K steps synchronously (delay 0)."""
 
-    sync_cooldown_steps: int = 0
+    sync_cooldown_steps: int = _key(0, ge=0)
     """Train the last K steps synchronously (delay 0)."""
 
 
@@ -227,47 +257,27 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
 
 
-# Allowed values of the string keys with a fixed vocabulary of this module (DESIGN.md section 6). Optimizer,
-# schedule, correction and model names are checked against the registries that own them (``_registries``), so
-# adding one there needs no edit here.
-CHOICES: dict[str, tuple[str, ...]] = {
-    "data.tokenizer": ("bpe", "byte"),
-    "train.device": ("auto", "cpu", "cuda"),
-    "train.dtype": ("auto", "float32", "bfloat16"),
-    "train.nonfinite": ("stop", "skip"),
-    "pipeline.runtime": ("sim", "distributed"),
-}
-
-
-def _registries() -> dict[str, tuple[str, ...]]:
-    from bubblefree.delay import CORRECTIONS
-    from bubblefree.models import PRESETS
-    from bubblefree.optim import OPTIMIZERS
-    from bubblefree.schedules.delays import SCHEDULES
-
-    return {"model.preset": tuple(PRESETS), "optim.name": tuple(OPTIMIZERS), "pipeline.schedule": SCHEDULES,
-            "delay.correction": tuple(CORRECTIONS)}
-
-
-# Keys that must be > 0 and keys that must be >= 0 (numbers); fractions must lie in [0, 1].
-_POSITIVE = ("data.vocab_size", "train.steps", "train.batch_size", "train.seq_len", "train.eval_batches",
-             "train.log_every", "train.ckpt_keep", "pipeline.stages", "pipeline.microbatches")
-_NONNEGATIVE = ("model.vocab_size", "optim.lr", "optim.weight_decay", "optim.adamw_lr", "optim.max_precond_dim",
-                "train.seed",
-                "train.grad_clip", "train.threads", "train.eval_every", "train.ckpt_every", "delay.ef_beta",
-                "delay.taylor_lambda", "delay.sync_start_steps", "delay.sync_cooldown_steps")
-_FRACTIONS = ("train.warmup_frac", "train.min_lr_frac")
-_SCALARS = {"int": int, "float": float, "bool": bool, "str": str}
-
-
 def _sections(config: Config | None = None) -> dict[str, Any]:
     config = config or Config()
     return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
 
 
+def _fields() -> dict[str, dataclasses.Field]:
+    """``{"section.key": field}`` of every key, in declaration order."""
+    return {f"{name}.{f.name}": f for name, section in _sections().items() for f in dataclasses.fields(section)}
+
+
+_SCALARS = {"int": int, "float": float, "bool": bool, "str": str}
+
+
 def _field_type(section: Any, key: str) -> type:
     (f,) = [f for f in dataclasses.fields(section) if f.name == key]
     return _SCALARS[f.type if isinstance(f.type, str) else f.type.__name__]
+
+
+CHOICES: dict[str, tuple[str, ...]] = {key: f.metadata["choices"] for key, f in _fields().items()
+                                       if "choices" in f.metadata}
+"""Allowed values of every key with a fixed vocabulary (from the fields' metadata)."""
 
 
 def _resolve(config: Config, dotted: str) -> tuple[Any, str, type]:
@@ -389,59 +399,81 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         raise UserError(f"Invalid config file: {path} is not valid TOML ({e})") from None
 
 
-def validate(config: Config) -> Config:
-    """Check sizes, ranges and choices; raise a UserError naming the first bad key. Returns ``config``."""
+def _bound_error(value: Any, rules: dict[str, Any]) -> str | None:
+    """The "(must be ...)" of a number outside its field's bounds, or None."""
+    lo, hi = rules.get("ge"), rules.get("le", rules.get("lt"))
+    if lo is not None and hi is not None:  # a closed or half-open interval, said as one
+        inside = lo <= value <= hi if "le" in rules else lo <= value < hi
+        return None if inside else f"must be in [{lo}, {hi}{']' if 'le' in rules else ')'}"
+    for name, holds, sign in (("gt", value > rules.get("gt", 0), ">"), ("ge", value >= rules.get("ge", 0), ">="),
+                              ("lt", value < rules.get("lt", 0), "<"), ("le", value <= rules.get("le", 0), "<=")):
+        if name in rules and not holds:  # a NaN fails every comparison
+            return f"must be {sign} {rules[name]}"
+    return None
+
+
+def unused_keys(config: Config) -> list[str]:
+    """One line for each key set away from its default that the run's optimizer does not use.
+
+    Not an error: the reproduction scales set ``optim.max_precond_dim`` once for every optimizer of a
+    comparison, so that SOAP gets it; the training loop prints these lines once at the start of a run.
+    """
     flat = {f"{s}.{k}": v for s, table in config_to_dict(config).items() for k, v in table.items()}
-    for key, value in flat.items():
+    return [f"{key} = {flat[key]!r} does nothing for optim.name = {config.optim.name!r} (it applies only to "
+            f"{' and '.join(f.metadata['only_for'])})"
+            for key, f in _fields().items()
+            if "only_for" in f.metadata and flat[key] != f.default and config.optim.name not in f.metadata["only_for"]]
+
+
+def validate(config: Config, *, replicas: int | None = None) -> Config:
+    """Check every rule a config must satisfy; raise a UserError naming the first bad key. Returns ``config``.
+
+    A key's own rules are its field's metadata (:func:`_key`); the rules that relate keys follow. The rules
+    of the distributed runtime apply when ``pipeline.runtime`` is ``distributed`` or ``replicas`` is given:
+    the number of data-parallel copies of the pipeline (processes / ``pipeline.stages``; 1 when not given).
+    The launchers check with it before any process starts, and every rank again with its own count.
+    """
+    flat = {f"{s}.{k}": v for s, table in config_to_dict(config).items() for k, v in table.items()}
+    for key, f in _fields().items():
+        value, rules = flat[key], f.metadata
         if isinstance(value, float) and not math.isfinite(value):
             raise UserError(f"Invalid {key}: {value} (must be finite)")
-    for key, allowed in {**CHOICES, **_registries()}.items():
-        if flat[key] not in allowed:
-            close = difflib.get_close_matches(str(flat[key]), allowed, n=1)
+        if "choices" in rules and value not in rules["choices"]:
+            close = difflib.get_close_matches(str(value), rules["choices"], n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise UserError(f"Invalid {key}: {flat[key]!r}{hint}; choose from {', '.join(allowed)}")
-    for key in _POSITIVE:
-        if not flat[key] > 0:
-            raise UserError(f"Invalid {key}: {flat[key]} (must be > 0)")
-    for key in _NONNEGATIVE:
-        if not flat[key] >= 0:  # also rejects NaN
-            raise UserError(f"Invalid {key}: {flat[key]} (must be >= 0)")
-    for key in _FRACTIONS:
-        if not 0.0 <= flat[key] <= 1.0:
-            raise UserError(f"Invalid {key}: {flat[key]} (must be in [0, 1])")
-    if not flat["delay.ef_beta"] <= 1.0:
-        raise UserError(f"Invalid delay.ef_beta: {flat['delay.ef_beta']} (must be in [0, 1])")
-    if not 0.0 <= flat["delay.nesterov_gamma"] < 1.0:
-        raise UserError(f"Invalid delay.nesterov_gamma: {flat['delay.nesterov_gamma']} (must be in [0, 1))")
-    if not flat["delay.predict_scale"] > 0:
-        raise UserError(f"Invalid delay.predict_scale: {flat['delay.predict_scale']} (must be > 0)")
-    if flat["delay.correction"] == "taylor" and flat["delay.taylor_lambda"] == 0:
+            raise UserError(f"Invalid {key}: {value!r}{hint}; choose from {', '.join(rules['choices'])}")
+        problem = _bound_error(value, rules) if isinstance(value, (int, float)) else None
+        if problem:
+            note = f"; {rules['note']}" if "note" in rules else ""
+            raise UserError(f"Invalid {key}: {value} ({problem}{note})")
+
+    train, pipe = config.train, config.pipeline
+    if config.delay.correction == "taylor" and config.delay.taylor_lambda == 0:
         raise UserError("Invalid delay.taylor_lambda: 0.0 with delay.correction = taylor (lambda 0 is the plain "
                         "delay: set a lambda > 0, or delay.correction = none)")
-    if not flat["optim.momentum"] < 1.0:
-        raise UserError(f"Invalid optim.momentum: {flat['optim.momentum']} (must be < 1; negative = default)")
-    if config.train.batch_size % config.pipeline.microbatches:
-        raise UserError(f"Invalid train.batch_size: {config.train.batch_size} (must be divisible by "
-                        f"pipeline.microbatches = {config.pipeline.microbatches})")
+    if train.batch_size % pipe.microbatches:
+        raise UserError(f"Invalid train.batch_size: {train.batch_size} (must be divisible by "
+                        f"pipeline.microbatches = {pipe.microbatches})")
+    if train.nonfinite == "skip" and pipe.runtime != "sim":
+        raise UserError("Invalid train.nonfinite: 'skip' needs pipeline.runtime = 'sim' (the stages of an "
+                        "asynchronous pipeline update before the step's loss is known); use 'stop'")
+    if pipe.runtime == "distributed" or replicas is not None:
+        P, m, R = pipe.stages, pipe.microbatches, replicas or 1
+        if pipe.schedule not in DISTRIBUTED_SCHEDULES:
+            why = ("; it has no WPipe loop: two partitions per process updating alternately; run it with "
+                   "pipeline.runtime = sim" if pipe.schedule == "wpipe" else "")
+            raise UserError(f"Invalid pipeline.schedule: {pipe.schedule!r} (the distributed runtime runs "
+                            f"{', '.join(DISTRIBUTED_SCHEDULES)}{why})")
+        if m % R:
+            raise UserError(f"Invalid pipeline.microbatches: {m} (must divide train.batch_size = "
+                            f"{train.batch_size} and be a multiple of the {R} replicas)")
+        if pipe.schedule == "2bw" and m // R < P:
+            raise UserError(f"Invalid pipeline.microbatches: {m} (2bw keeps two weight versions, which needs at "
+                            f"least P = {P} microbatches per step and replica; there are {R} replicas)")
+        if pipe.schedule == "1f1b" and m // R < P:
+            raise UserError(f"Invalid pipeline.microbatches: {m} (1f1b needs at least P = {P} microbatches per "
+                            f"step and replica, and there are {R} replicas; gpipe runs fewer)")
     return config
-
-
-def load_config(preset: str | None = None, toml_path: str | Path | None = None,
-                overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Resolve a run's configuration with precedence preset < TOML file < ``--set`` overrides, then validate.
-
-    ``preset=None`` is the default run (``demo``, the paper's recipe). ``overrides`` are ``section.key=value``.
-    """
-    from bubblefree.train.presets import get_preset
-
-    config = get_preset(preset or "demo")
-    if toml_path is not None:
-        config = config_from_dict(read_toml(toml_path), base=config, origin=f"config file {toml_path}")
-    parsed: dict[str, Any] = {}
-    for text in overrides:
-        key, value = parse_override(config, text)
-        parsed[key] = value
-    return validate(apply_overrides(config, parsed))
 
 
 def field_docs() -> dict[str, list[tuple[str, str, Any, str]]]:

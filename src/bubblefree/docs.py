@@ -1,0 +1,79 @@
+"""``python -m bubblefree.docs [--check]``: rewrite the generated parts of docs/ in place.
+
+A generated part of a Markdown file sits between ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->`` comments;
+everything outside the markers is written by hand and left as it is. The parts:
+
+* ``config-reference`` (docs/training.md): the configuration reference, from the config's field docstrings;
+* ``results:FOLDER/SUITE`` (any file): the learning-rate sweep and the table of ``bubblefree reproduce
+  SUITE``, rebuilt from the JSON under ``results/FOLDER`` (``experiments.reproduce.tables``): the same text
+  as that folder's ``SUITE.md``, with ``####`` headings. Only results folders kept in the repository can
+  back such a part.
+
+``--check`` rewrites nothing and exits 1 when a part is out of date (a test runs the same comparison). This
+is a tool for a source checkout: it finds docs/ and results/ next to ``src/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from bubblefree.config import reference_markdown
+from bubblefree.experiments.reproduce import tables
+
+__all__ = ["PARTS", "generate", "main", "splice"]
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS, RESULTS = ROOT / "docs", ROOT / "results"
+_RESULTS_PART = re.compile(r"<!-- (results:([\w.-]+)/([\w-]+)):begin -->")
+
+PARTS: dict[str, tuple[str, Callable[[], str]]] = {
+    "config-reference": ("training.md", reference_markdown),
+}
+"""``{part name: (file under docs/, the function that writes the part)}``."""
+
+
+def splice(text: str, name: str, content: str) -> str:
+    """``text`` with the part ``name`` replaced by ``content`` (the markers stay); a ValueError if it has none."""
+    pattern = re.compile(rf"(<!-- {re.escape(name)}:begin -->\n)(.*?)(<!-- {re.escape(name)}:end -->)", re.S)
+    if not pattern.search(text):
+        raise ValueError(f"no generated part {name!r} (<!-- {name}:begin --> ... <!-- {name}:end -->)")
+    return pattern.sub(lambda m: m.group(1) + content.rstrip("\n") + "\n" + m.group(3), text, count=1)
+
+
+def generate(docs: Path = DOCS, results: Path = RESULTS) -> dict[Path, str]:
+    """The new text of every file under ``docs`` that holds generated parts (``results`` backs the
+    ``results:`` parts)."""
+    out: dict[Path, str] = {}
+    for name, (file, write) in PARTS.items():
+        path = docs / file
+        out[path] = splice(out.get(path, path.read_text(encoding="utf-8")), name, write())
+    for path in sorted(docs.glob("*.md")):
+        text = out.get(path, path.read_text(encoding="utf-8"))
+        for name, folder, suite in _RESULTS_PART.findall(text):
+            text = splice(text, name, tables(results / folder, suite, heading="####"))
+        if path in out or _RESULTS_PART.search(text):
+            out[path] = text
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bubblefree.docs", description=__doc__)
+    parser.add_argument("--check", action="store_true", help="only report parts that are out of date")
+    args = parser.parse_args(argv)
+    stale = [path for path, text in generate().items() if path.read_text(encoding="utf-8") != text]
+    if args.check:
+        for path in stale:
+            print(f"out of date: {path}", file=sys.stderr)
+        return 1 if stale else 0
+    for path, text in generate().items():
+        path.write_text(text, encoding="utf-8")
+    print(f"bubblefree: rewrote {len(stale)} file(s) of docs/", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""The parts both executors build from a config, each built in one place.
+
+* device and precision: :func:`resolve_device`, :func:`autocast_for`;
+* data: :func:`train_microbatch` (microbatch ``i`` of step ``t``, the same on every rank and on resume) and
+  :func:`validation_batches`;
+* the pipeline split: :func:`build_stage` (one rank's stage of the distributed runtime) and
+  :func:`parameter_placement` (the same split seen from the whole model, for the simulation): a parameter's
+  *partition* decides its delay (``schedules.stage_delays``), its *device* decides which gradients are
+  clipped together;
+* the optimizer is ``bubblefree.optim.build_optimizer(module, config.optim)``, the loss
+  ``bubblefree.models.token_loss``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from bubblefree.config import Config
+from bubblefree.data import eval_batches, get_batch
+from bubblefree.models.split import StageModule, param_stages, split_model
+from bubblefree.schedules.delays import n_partitions, parameter_delays
+
+__all__ = ["autocast_for", "build_stage", "parameter_placement", "resolve_device", "train_microbatch",
+           "validation_batches"]
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` is CUDA when available, else CPU; asking for CUDA without one is a ValueError."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("Invalid train.device: 'cuda' (no CUDA device is available)")
+    return torch.device(name)
+
+
+def autocast_for(dtype: str, device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
+    """A factory of the forward's autocast context: bf16 for ``bfloat16``, and for ``auto`` on CUDA; else none."""
+    if dtype == "bfloat16" or (dtype == "auto" and device.type == "cuda"):
+        return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext
+
+
+def train_microbatch(config: Config, tokens: np.ndarray, step: int, index: int,
+                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Microbatch ``index`` (of ``pipeline.microbatches``, counted over all replicas) of step ``step``."""
+    cfg = config.train
+    return get_batch(tokens, seed=cfg.seed, step=step, microbatch=index,
+                     batch_size=cfg.batch_size // config.pipeline.microbatches, seq_len=cfg.seq_len, device=device)
+
+
+def validation_batches(config: Config, tokens: np.ndarray,
+                       device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The ``train.eval_batches`` fixed validation batches of ``train.batch_size`` sequences."""
+    cfg = config.train
+    return eval_batches(tokens, n_batches=cfg.eval_batches, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
+                        device=device)
+
+
+def build_stage(model: nn.Module, config: Config, stage: int) -> StageModule:
+    """Stage ``stage`` of ``model`` cut into ``pipeline.stages`` pieces (sharing the model's parameters).
+
+    A model whose embedding and head share one matrix cannot be cut across processes (the two copies would
+    need a gradient exchange every step), so it is refused for more than one stage.
+    """
+    P = config.pipeline.stages
+    if getattr(getattr(model, "args", None), "tie_embeddings", False) and P > 1:
+        raise ValueError(f"Invalid model.preset: {config.model.preset!r} ties its embedding and head, which the "
+                         f"distributed runtime refuses for pipeline.stages > 1 (docs/runtime.md)")
+    return split_model(model, P)[stage]
+
+
+def parameter_placement(model: nn.Module, optimizer: torch.optim.Optimizer,
+                        config: Config) -> tuple[list[int], list[list[nn.Parameter]]]:
+    """For the simulation: the delay of every optimizer parameter (in its order) and the parameters of each
+    of the ``pipeline.stages`` devices (each clips its own gradients).
+
+    WPipe cuts the model into ``2P`` partitions, device ``s`` holding partitions ``s`` and ``s+P``; every
+    other schedule has one partition per device.
+    """
+    schedule, n_stages = config.pipeline.schedule, config.pipeline.stages
+    partition_of = param_stages(model, n_partitions(schedule, n_stages))
+    delays = parameter_delays(model, optimizer, schedule, n_stages, partition_of)
+    names = {id(p): name for name, p in model.named_parameters()}
+    params: list[Any] = [p for group in optimizer.param_groups for p in group["params"]]
+    device_of = [partition_of[names[id(p)]] % n_stages for p in params]
+    return delays, [[p for p, d in zip(params, device_of) if d == device] for device in range(n_stages)]
