@@ -68,6 +68,8 @@ def _long_base(steps: int, lr: float | None) -> Config:
     if lr is None:
         chosen = Path("results/long/error-feedback.json")
         lr = json.loads(chosen.read_text())["lrs"].get("muon", 0.0) if chosen.exists() else 0.0
+        print(f"learning rate: {f'{lr:g}, the sweep chose it ({chosen})' if lr else 'the registry default'}"
+              " (set it with --lr)")
     return apply_overrides(get_scale("long").base, {"optim.name": "muon", "optim.lr": lr, "train.steps": steps})
 
 

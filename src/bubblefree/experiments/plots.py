@@ -113,11 +113,7 @@ def _horizon(rows: Rows, path: Path, title: str) -> None:
     for col, opt in enumerate(optimizers):
         mine = [r for r in rows if r["optimizer"] == opt]
         factors = sorted({r["x"] for r in mine})
-        tpp = []
-        for f in factors:
-            r = next(r for r in mine if r["x"] == f)
-            t = r["config"]["train"]
-            tpp.append(t["steps"] * t["batch_size"] * t["seq_len"] / r.get("params", 1))
+        tpp = [next(r for r in mine if r["x"] == f)["tokens_per_param"] for f in factors]
         at = {f: {v: losses(mine, variant=v, x=f) for v in ("sync", "async", "ef")} for f in factors}
         noise = np.array([noise_floor(at[f]["sync"]) for f in factors])
         top, bottom = axes[0][col], axes[1][col]

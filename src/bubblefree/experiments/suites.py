@@ -309,11 +309,11 @@ def _schedule_runs(scale: Scale, lrs: dict[str, float]) -> list[Run]:
 
 
 def _horizon_overrides(scale: Scale, factor: float) -> dict[str, Any]:
-    """The base run trained ``factor`` times as long (its own warmup and cosine decay); evaluations scale along."""
+    """The base run trained ``factor`` times as long (its own warmup and cosine decay); evaluations scale along,
+    so at ``factor`` 1 this is the base run itself (the same run id)."""
     t = scale.base.train
-    steps = max(1, round(t.steps * factor))
-    return {"train.steps": steps, "train.eval_every": max(1, round(t.eval_every * factor)) if t.eval_every else 0,
-            "train.log_every": max(1, min(t.log_every, steps // 10))}
+    return {"train.steps": max(1, round(t.steps * factor)),
+            "train.eval_every": max(1, round(t.eval_every * factor)) if t.eval_every else 0}
 
 
 def _horizon_runs(scale: Scale, lrs: dict[str, float]) -> list[Run]:
@@ -321,7 +321,7 @@ def _horizon_runs(scale: Scale, lrs: dict[str, float]) -> list[Run]:
     out = []
     for opt, lr in lrs.items():
         for factor in scale.horizons:
-            over = _horizon_overrides(scale, factor) if factor != 1.0 else {}
+            over = _horizon_overrides(scale, factor)
             for variant, sched in (("sync", SYNC), ("async", ASYNC), ("ef", EF)):
                 out += _runs(scale, opt, lr, variant, {**sched, **over}, x=factor)
     return out

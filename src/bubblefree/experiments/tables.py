@@ -77,13 +77,12 @@ def fmt_pct(value: float) -> str:
 
 
 def tokens_per_param(record: dict[str, Any]) -> str:
-    """``D / N (D / N_non-embedding)`` of a run record: training tokens per trainable parameter, and per
-    parameter outside the embedding and head; ``-`` for a record written before the counts were kept."""
-    if "params" not in record:
+    """``D / N (D / N_non-embedding)`` of a run record, from the counts the runner stores; ``-`` for a record
+    written before the counts were kept."""
+    if "tokens_per_param" not in record:
         return "-"
-    t = record["config"]["train"]
-    tokens = t["steps"] * t["batch_size"] * t["seq_len"]
-    return f"{tokens / record['params']:.3g} ({tokens / record['params_non_embedding']:.3g})"
+    d_over_n = record["tokens_per_param"]
+    return f"{d_over_n:.3g} ({d_over_n * record['params'] / record['params_non_embedding']:.3g})"
 
 
 def markdown_table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
