@@ -147,6 +147,8 @@ def test_horizon_runs_are_full_runs_of_each_length_sharing_the_base_length():
     ef_ids = {run_id(r) for r in SUITES["error-feedback"].runs(sc, {"muon": 0.02})}
     assert base_ids == ef_ids  # the 20-token point is the error-feedback suite's runs, not new ones
     assert {r.variant for r in runs} == {"sync", "async", "ef"}
+    both = [r.x for r in SUITES["horizon"].runs(sc, {"adamw": 2.4e-3, "muon": 0.02})]
+    assert both == sorted(both)  # the cheap horizons of every optimizer run before any long one
 
 
 @pytest.mark.parametrize("scale", list(SCALES))

@@ -317,11 +317,12 @@ def _horizon_overrides(scale: Scale, factor: float) -> dict[str, Any]:
 
 
 def _horizon_runs(scale: Scale, lrs: dict[str, float]) -> list[Run]:
-    """sync / async / async + EF at each of ``scale.horizons``, all at the rate the base-length sweep chose."""
+    """sync / async / async + EF at each of ``scale.horizons``, all at the rate the base-length sweep chose.
+    Shortest horizon first, every optimizer at it, so the cheap points of every curve are in before the long ones."""
     out = []
-    for opt, lr in lrs.items():
-        for factor in scale.horizons:
-            over = _horizon_overrides(scale, factor)
+    for factor in scale.horizons:
+        over = _horizon_overrides(scale, factor)
+        for opt, lr in lrs.items():
             for variant, sched in (("sync", SYNC), ("async", ASYNC), ("ef", EF)):
                 out += _runs(scale, opt, lr, variant, {**sched, **over}, x=factor)
     return out
