@@ -437,3 +437,47 @@ def test_docs_tables_are_rebuilt_from_the_results_json(tmp_path, monkeypatch):
     (out / "runs" / f"{min(p.stem for p in (out / 'runs').glob('*.json'))}.json").unlink()
     with pytest.raises(ValueError, match="lacks 1 run"):
         tables(out, "error-feedback")
+
+
+def test_an_interrupted_suite_is_tabulated_from_the_runs_it_finished(tmp_path, monkeypatch):
+    """The suite's record is written once the rates are chosen, so a suite stopped half-way (a study spanning
+    sessions) still has its tables: ``-`` for the runs to come and a count of them."""
+    from bubblefree.docs import generate
+    from bubblefree.experiments.reproduce import tables
+
+    done = []
+
+    def fake(run, work, **kw):  # the async runs of the long horizon never finish
+        c = run.config
+        if c.train.steps > 20 and c.pipeline.schedule != "sync":
+            raise KeyboardInterrupt
+        done.append(run_id(run))
+        loss = 3.0 + abs(math.log2(c.optim.lr / OPTIMIZERS[c.optim.name].lr)) + 0.5 * (c.pipeline.schedule != "sync")
+        return {"id": run_id(run), "config": config_to_dict(c), "final_val_loss": loss + 0.01 * c.train.seed,
+                "val_curve": [[1, 1, loss]], "train_curve": [[1, 1, loss]], "tokens_per_s": 1.0,
+                "wall_time_s": 1.0, "commit": "c", "machine": "m", "params": 10, "params_non_embedding": 5,
+                "tokens_per_param": c.train.steps / 10}
+
+    monkeypatch.setattr(runner_module, "_execute", fake)
+    out = tmp_path / "results" / "smoke"
+    with pytest.raises(KeyboardInterrupt):
+        reproduce("horizon", scale="smoke", out=out, optimizers=("muon",), progress=False, jobs=1)
+    assert json.loads((out / "horizon.json").read_text())["finished"] is False
+    with pytest.raises(ValueError, match="lacks"):
+        tables(out, "horizon")
+    text = tables(out, "horizon", partial=True)
+    rows = [line for line in text.partition("Results")[2].splitlines() if line.startswith("| muon |")]
+    assert [row.split(" | ")[1] for row in rows] == ["20", "40"]
+    assert rows[0].split(" | ")[5] != "-" and rows[1].split(" | ")[4] == "-"  # 40 steps: sync only, no async
+    lrs = json.loads((out / "horizon.json").read_text())["lrs"]
+    planned = {run_id(r) for r in SUITES["horizon"].runs(get_scale("smoke"), lrs) + sweep_runs(get_scale("smoke"),
+                                                                                              ("muon",))}
+    missing = planned - set(done)
+    assert missing and f"In progress: {len(planned) - len(missing)} of {len(planned)} runs finished" in text
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "training.md").write_text("<!-- config-reference:begin -->\n<!-- config-reference:end -->\n")
+    (docs / "results.md").write_text("<!-- results:smoke/horizon:begin -->\n<!-- results:smoke/horizon:end -->\n")
+    assert tables(out, "horizon", heading="####", partial=True) in generate(docs, tmp_path / "results")[
+        docs / "results.md"]

@@ -6,7 +6,9 @@ everything outside the markers is written by hand and left as it is. The parts:
 * ``config-reference`` (docs/training.md): the configuration reference, from the config's field docstrings;
 * ``results:FOLDER/SUITE`` (any file): the learning-rate sweep and the table of ``bubblefree reproduce
   SUITE``, rebuilt from the JSON under ``results/FOLDER`` (``experiments.reproduce.tables``): the same text
-  as that folder's ``SUITE.md``, with ``####`` headings. Only results folders kept in the repository can
+  as that folder's ``SUITE.md``, with ``####`` headings. A suite still under way (its record is written once
+  its rates are chosen) shows ``-`` for the runs to come and says how many there are, so a study that spans
+  sessions is tabulated from whatever has been committed. Only results folders kept in the repository can
   back such a part.
 
 ``--check`` rewrites nothing and exits 1 when a part is out of date (a test runs the same comparison). This
@@ -54,7 +56,7 @@ def generate(docs: Path = DOCS, results: Path = RESULTS) -> dict[Path, str]:
     for path in sorted(docs.glob("*.md")):
         text = out.get(path, path.read_text(encoding="utf-8"))
         for name, folder, suite in _RESULTS_PART.findall(text):
-            text = splice(text, name, tables(results / folder, suite, heading="####"))
+            text = splice(text, name, tables(results / folder, suite, heading="####", partial=True))
         if path in out or _RESULTS_PART.search(text):
             out[path] = text
     return out

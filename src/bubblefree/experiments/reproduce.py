@@ -26,7 +26,7 @@ import torch
 from bubblefree.config import apply_overrides, config_diff, config_from_dict, parse_override, read_toml, validate
 from bubblefree.errors import UserError
 from bubblefree.experiments.plots import draw
-from bubblefree.experiments.runner import Run, commit, machine, pending, run_all
+from bubblefree.experiments.runner import Run, commit, machine, pending, run_all, run_id
 from bubblefree.experiments.scales import Scale, get_scale
 from bubblefree.experiments.suites import (
     choose_lrs,
@@ -105,7 +105,10 @@ def reproduce(suite: str, *, scale: str = "cpu", out: str | Path | None = None, 
                 bar.refresh()
             return run_all(runs, out, bar=bar, jobs=jobs)
 
-        sweep_rows, lrs, rows, knob_rows = _gather(spec, sc, chosen, execute)
+        def rates_chosen(lrs: dict[str, float]) -> None:  # an interrupted suite's tables can be rebuilt
+            _write_record(out, suite, sc, lrs, chosen, changed, finished=False)
+
+        sweep_rows, lrs, rows, knob_rows = _gather(spec, sc, chosen, execute, rates_chosen)
     elapsed = time.perf_counter() - tic
 
     title = f"{spec.title}, scale {sc.name}"
@@ -115,12 +118,19 @@ def reproduce(suite: str, *, scale: str = "cpu", out: str | Path | None = None, 
     command = command or f"reproduce({suite!r}, scale={sc.name!r})"
     table_path.write_text(_markdown(spec, sc, sweep_rows, rows + knob_rows, plots, elapsed, command, changed),
                           encoding="utf-8")
-    (out / f"{suite}.json").write_text(json.dumps({"suite": suite, "scale": sc.name, "lrs": lrs,
-                                                   "optimizers": list(chosen), "seeds": sc.seeds,
-                                                   "base_changes": {k: b for k, (a, b) in changed.items()},
-                                                   "runs": sorted({r["id"] for r in rows + knob_rows + sweep_rows})},
-                                                  indent=1) + "\n", encoding="utf-8")
+    _write_record(out, suite, sc, lrs, chosen, changed, finished=True,
+                  runs=sorted({r["id"] for r in rows + knob_rows + sweep_rows}))
     return {"table": table_path, "plots": plots, "lrs": lrs, "rows": rows, "sweep": sweep_rows, "knobs": knob_rows}
+
+
+def _write_record(out: Path, suite: str, sc: Scale, lrs: dict[str, float], optimizers: tuple[str, ...],
+                  changed: dict[str, tuple[Any, Any]], *, finished: bool, runs: list[str] = ()) -> None:
+    """``<out>/<suite>.json``: what :func:`tables` needs to rebuild the tables from the runs' JSON (scale, seeds,
+    optimizers, base-run changes, chosen rates). Written once the rates are chosen (``finished`` false: the
+    suite's runs are under way) and again at the end with the ids of every run it used."""
+    record = {"suite": suite, "scale": sc.name, "lrs": lrs, "optimizers": list(optimizers), "seeds": sc.seeds,
+              "base_changes": {k: b for k, (a, b) in changed.items()}, "finished": finished, "runs": list(runs)}
+    (out / f"{suite}.json").write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
 
 
 def _budget(spec, scale) -> list[str]:
@@ -178,23 +188,29 @@ def _markdown(spec, scale, sweep_rows, rows, plots, elapsed: float, command: str
     return "\n".join(lines) + "\n"
 
 
-def _gather(spec, scale, optimizers: tuple[str, ...],
-            execute: Callable[[list[Run], str], Rows]) -> tuple[Rows, dict[str, float], Rows, Rows]:
+def _gather(spec, scale, optimizers: tuple[str, ...], execute: Callable[[list[Run], str], Rows],
+            rates_chosen: Callable[[dict[str, float]], None] = lambda lrs: None,
+            ) -> tuple[Rows, dict[str, float], Rows, Rows]:
     """The suite's runs in order: the synchronous sweep (``phase`` "sweep"), its extensions past an end of
     the grid while the best rate sits there ("extension"); for a suite whose methods have knobs, each
     method's own setting swept at the chosen rate ("knobs") and extended the same way ("extension"); then
     the suite's runs at the chosen rates and best settings ("suite"). ``execute(runs, phase)`` returns their
-    records. Returns ``(sweep rows, rates, suite rows, knob rows)``."""
+    records; ``rates_chosen(rates)`` is called once the sweep is done. Returns ``(sweep rows, rates, suite rows,
+    knob rows)``."""
     sweep_rows = execute(sweep_runs(scale, optimizers), "sweep")
-    while extension := sweep_extension(scale, sweep_rows):  # a best rate at an end: try past it
-        sweep_rows += execute(extension, "extension")
+    # A best rate at an end: try past it. (An extension that yields no rows, one still to run when the tables
+    # of a suite under way are rebuilt, ends the loop.)
+    while (extension := sweep_extension(scale, sweep_rows)) and (new := execute(extension, "extension")):
+        sweep_rows += new
     lrs = {o: choose_lrs(sweep_rows)[o] for o in optimizers}
+    rates_chosen(lrs)
     runs = spec.runs(scale, lrs)
     knob_rows: Rows = []
     if spec.knobs:  # each method's own setting, swept at the chosen rate like the rate itself
         knob_rows = execute(knob_sweep_runs(scale, lrs, spec.knobs), "knobs")
-        while extension := knob_extension(scale, lrs, spec.knobs, knob_rows):
-            knob_rows += execute(extension, "extension")
+        while (extension := knob_extension(scale, lrs, spec.knobs, knob_rows)) and (
+                new := execute(extension, "extension")):
+            knob_rows += new
         runs += knob_best_runs(scale, lrs, spec.knobs, knob_rows)
     return sweep_rows, lrs, execute(runs, "suite"), knob_rows
 
@@ -208,11 +224,12 @@ def suite_tables(spec, scale, sweep_rows: Rows, rows: Rows, *, heading: str = "#
         f"{heading} Results", "", *_budget(spec, scale), spec.table(rows), "", _DEFINITIONS, ""])
 
 
-def tables(folder: str | Path, suite: str, *, heading: str = "##") -> str:
+def tables(folder: str | Path, suite: str, *, heading: str = "##", partial: bool = False) -> str:
     """:func:`suite_tables` of ``suite`` rebuilt from ``<folder>/<suite>.json`` and ``<folder>/runs/*.json``.
 
     The scale, optimizers and seeds are those the suite ran with (recorded in ``<suite>.json``); the runs are
-    found the way :func:`reproduce` finds them. A missing run is a UserError naming it.
+    found the way :func:`reproduce` finds them. A missing run is a UserError naming it, or with ``partial``
+    (a suite still under way) a ``-`` in the table and a closing line that counts the runs still to come.
     """
     folder = Path(folder)
     try:
@@ -223,13 +240,22 @@ def tables(folder: str | Path, suite: str, *, heading: str = "##") -> str:
     spec, sc = get_suite(suite), get_scale(record["scale"], seeds=record.get("seeds"))
     if record.get("base_changes"):  # the base run as reproduce --config/--set changed it
         sc = dataclasses.replace(sc, base=apply_overrides(sc.base, record["base_changes"]))
+    planned, missing = set(), set()
 
     def load(runs: list[Run], phase: str) -> Rows:
-        missing = pending(runs, folder)
-        if missing:
-            raise UserError(f"Invalid results folder: {folder} lacks {len(missing)} run(s) of {suite}, e.g. "
-                            f"{min(missing)}")
-        return run_all(runs, folder)  # every run is finished: this only reads their JSON
+        lacking = pending(runs, folder)
+        if lacking and not partial:
+            raise UserError(f"Invalid results folder: {folder} lacks {len(lacking)} run(s) of {suite}, e.g. "
+                            f"{min(lacking)}")
+        planned.update(map(run_id, runs))
+        missing.update(lacking)
+        return run_all([r for r in runs if run_id(r) not in lacking], folder)  # only reads finished runs' JSON
 
-    sweep_rows, _, rows, knob_rows = _gather(spec, sc, tuple(record.get("optimizers") or spec.optimizers), load)
-    return suite_tables(spec, sc, sweep_rows, rows + knob_rows, heading=heading)
+    optimizers = tuple(record.get("optimizers") or spec.optimizers)
+    sweep_rows, _, rows, knob_rows = _gather(spec, sc, optimizers, load)
+    text = suite_tables(spec, sc, sweep_rows, rows + knob_rows, heading=heading)
+    if missing:
+        text += (f"\n*In progress: {len(planned) - len(missing)} of {len(planned)} runs finished; "
+                 f"`bubblefree reproduce {suite} --scale {sc.name} --optimizers {','.join(optimizers)}` with this "
+                 f"results folder as `--out` continues it (finished runs are skipped).*\n")
+    return text

@@ -282,13 +282,14 @@ def knob_extension(scale: Scale, lrs: dict[str, float], knobs: tuple[Knob, ...],
 
 
 def knob_best_runs(scale: Scale, lrs: dict[str, float], knobs: tuple[Knob, ...], rows: Rows) -> list[Run]:
-    """Every knob at its best sweep point, every seed (seed 0 is the sweep's run)."""
+    """Every knob at its best sweep point, every seed (seed 0 is the sweep's run); none for a knob whose sweep
+    has no finished point yet (tables of a suite under way)."""
     out = []
     for opt, lr in lrs.items():
         for knob in knobs:
-            tried = _tried(rows, opt, knob)
-            best = min(tried, key=lambda v: (tried[v], v))
-            out += _knob_run(scale, opt, lr, knob, best, "best", seeds=True)
+            if tried := _tried(rows, opt, knob):
+                best = min(tried, key=lambda v: (tried[v], v))
+                out += _knob_run(scale, opt, lr, knob, best, "best", seeds=True)
     return out
 
 
