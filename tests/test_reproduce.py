@@ -481,3 +481,13 @@ def test_an_interrupted_suite_is_tabulated_from_the_runs_it_finished(tmp_path, m
     (docs / "results.md").write_text("<!-- results:smoke/horizon:begin -->\n<!-- results:smoke/horizon:end -->\n")
     assert tables(out, "horizon", heading="####", partial=True) in generate(docs, tmp_path / "results")[
         docs / "results.md"]
+
+    # --report: the table and the plot from the finished runs, nothing run
+    before = sorted((out / "runs").iterdir())
+    assert main(["reproduce", "horizon", "--report", "--scale", "smoke", "--out", str(out)]) == 0
+    assert sorted((out / "runs").iterdir()) == before
+    md = (out / "horizon.md").read_text()
+    assert tables(out, "horizon", partial=True) in md and "nothing ran" in md
+    assert (out / "horizon-gap.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["reproduce", "horizon", "--report", "--seeds", "3", "--out", str(out)]) == 2
+    assert main(["reproduce", "moe", "--report", "--out", str(out)]) == 2  # no record: never started

@@ -5,7 +5,7 @@
     bubblefree simulate --stages P --microbatches M --schedules a,b,... [--costs F:B:W[:U]] [--steps T] [--out DIR]
     bubblefree bench {train,optim,delay,pipeline,time-to-loss,device} [--out DIR] [--tiny]
     bubblefree reproduce SUITE [--scale smoke|cpu|long|gpu] [--out DIR] [--seeds N] [--optimizers A,B,...]
-                         [--config FILE.toml] [--set KEY=VALUE ...]
+                         [--config FILE.toml] [--set KEY=VALUE ...] [--report]
     bubblefree export RUN_OR_CHECKPOINT --format hf --out DIR
 
 Exit codes: 0 success; 2 invalid input (one line on stderr naming the problem, nothing written or
@@ -103,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     reproduce.add_argument("--set", metavar="KEY=VALUE", action="append", default=[], dest="overrides",
                            help="change one key of the scale's base run, e.g. --set data.source=my.txt "
                                 "(repeatable; after --config); docs/results.md")
+    reproduce.add_argument("--report", action="store_true",
+                           help="run nothing: rewrite the table and plots from the runs finished so far "
+                                "(a suite under way shows '-' for the rest)")
 
     export = commands.add_parser(
         "export", help="write a trained model as a Hugging Face folder (transformers loads it offline)",
@@ -188,7 +191,18 @@ def _export(args: argparse.Namespace) -> int:
 
 def _reproduce(args: argparse.Namespace) -> int:
     from bubblefree.experiments import reproduce
+    from bubblefree.experiments.reproduce import report
 
+    if args.report:  # the suite's own record says how it ran: run-shaping options would be ignored, so refuse them
+        given = [f"--{k}" for k in ("seeds", "optimizers", "jobs", "config") if getattr(args, k) is not None]
+        if given or args.overrides:
+            raise UserError(f"Invalid options with --report: {', '.join(given + ['--set'] * bool(args.overrides))}"
+                            f" (the report uses the settings the suite ran with)")
+        out = args.out or f"results/{args.scale}"
+        result = report(out, args.suite, command=f"bubblefree reproduce {args.suite} --report --out {out}")
+        print(f"bubblefree: {args.suite}: table {result['table']}; plots "
+              f"{', '.join(str(p) for p in result['plots']) or 'none'} (from the runs finished so far)")
+        return 0
     if args.seeds is not None and args.seeds < 1:
         raise UserError(f"Invalid --seeds: {args.seeds} (must be >= 1)")
     if args.jobs is not None and args.jobs < 1:

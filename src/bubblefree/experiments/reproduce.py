@@ -41,7 +41,7 @@ from bubblefree.experiments.suites import (
 from bubblefree.optim import OPTIMIZERS
 from bubblefree.train.loop import check_lengths
 
-__all__ = ["default_jobs", "reproduce", "suite_tables", "tables", "with_base_overrides"]
+__all__ = ["default_jobs", "report", "reproduce", "suite_tables", "tables", "with_base_overrides"]
 
 Rows = list[dict[str, Any]]
 
@@ -162,8 +162,8 @@ def with_base_overrides(sc: Scale, config_file: str | Path | None,
     return dataclasses.replace(sc, base=base), config_diff(sc.base, base)
 
 
-def _markdown(spec, scale, sweep_rows, rows, plots, elapsed: float, command: str,
-              changed: dict[str, tuple[Any, Any]]) -> str:
+def _markdown(spec, scale, sweep_rows, rows, plots, elapsed: float | None, command: str,
+              changed: dict[str, tuple[Any, Any]], progress: str = "") -> str:
     base = scale.base
     run_time = sum(r["wall_time_s"] for r in {r["id"]: r for r in rows + sweep_rows}.values())
     commits = sorted({r["commit"] for r in rows + sweep_rows})
@@ -180,9 +180,10 @@ def _markdown(spec, scale, sweep_rows, rows, plots, elapsed: float, command: str
            f"on it; the changed keys are part of each run's id)."] if changed else []),
         (f"Command: `{command}`; "
          f"commit(s) of the runs: {', '.join(commits)}; this table written at commit {commit()} on {machine()}."),
-        (f"Compute: {run_time / 60:.1f} min of runs in total ({len({r['id'] for r in rows + sweep_rows})} runs), "
-         f"this invocation {elapsed / 60:.1f} min (finished runs are skipped)."), "",
-        suite_tables(spec, scale, sweep_rows, rows),
+        (f"Compute: {run_time / 60:.1f} min of runs in total ({len({r['id'] for r in rows + sweep_rows})} runs)"
+         + (f", this invocation {elapsed / 60:.1f} min (finished runs are skipped)." if elapsed is not None else
+            ", rebuilt from the runs' JSON (nothing ran).")), "",
+        suite_tables(spec, scale, sweep_rows, rows) + progress,
     ]
     lines += [f"![{p.stem}]({p.name})" for p in plots]
     return "\n".join(lines) + "\n"
@@ -224,20 +225,16 @@ def suite_tables(spec, scale, sweep_rows: Rows, rows: Rows, *, heading: str = "#
         f"{heading} Results", "", *_budget(spec, scale), spec.table(rows), "", _DEFINITIONS, ""])
 
 
-def tables(folder: str | Path, suite: str, *, heading: str = "##", partial: bool = False) -> str:
-    """:func:`suite_tables` of ``suite`` rebuilt from ``<folder>/<suite>.json`` and ``<folder>/runs/*.json``.
-
-    The scale, optimizers and seeds are those the suite ran with (recorded in ``<suite>.json``); the runs are
-    found the way :func:`reproduce` finds them. A missing run is a UserError naming it, or with ``partial``
-    (a suite still under way) a ``-`` in the table and a closing line that counts the runs still to come.
-    """
-    folder = Path(folder)
+def _rebuild(folder: Path, suite: str, *, partial: bool) -> dict[str, Any]:
+    """Everything the tables and plots of ``suite`` need, read from ``<folder>/<suite>.json`` and the runs' JSON
+    (``partial``: a suite still under way, whose missing runs are left out and counted)."""
     try:
         record = json.loads((folder / f"{suite}.json").read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise UserError(f"Invalid results folder: {folder} holds no {suite}.json (run bubblefree reproduce "
                         f"{suite} --out {folder})") from None
-    spec, sc = get_suite(suite), get_scale(record["scale"], seeds=record.get("seeds"))
+    spec, scale = get_suite(suite), get_scale(record["scale"], seeds=record.get("seeds"))
+    sc = scale
     if record.get("base_changes"):  # the base run as reproduce --config/--set changed it
         sc = dataclasses.replace(sc, base=apply_overrides(sc.base, record["base_changes"]))
     planned, missing = set(), set()
@@ -252,10 +249,38 @@ def tables(folder: str | Path, suite: str, *, heading: str = "##", partial: bool
         return run_all([r for r in runs if run_id(r) not in lacking], folder)  # only reads finished runs' JSON
 
     optimizers = tuple(record.get("optimizers") or spec.optimizers)
-    sweep_rows, _, rows, knob_rows = _gather(spec, sc, optimizers, load)
-    text = suite_tables(spec, sc, sweep_rows, rows + knob_rows, heading=heading)
-    if missing:
-        text += (f"\n*In progress: {len(planned) - len(missing)} of {len(planned)} runs finished; "
-                 f"`bubblefree reproduce {suite} --scale {sc.name} --optimizers {','.join(optimizers)}` with this "
-                 f"results folder as `--out` continues it (finished runs are skipped).*\n")
-    return text
+    sweep_rows, lrs, rows, knob_rows = _gather(spec, sc, optimizers, load)
+    progress = (f"\n*In progress: {len(planned) - len(missing)} of {len(planned)} runs finished; "
+                f"`bubblefree reproduce {suite} --scale {sc.name} --optimizers {','.join(optimizers)}` with this "
+                f"results folder as `--out` continues it (finished runs are skipped).*\n") if missing else ""
+    return {"spec": spec, "scale": sc, "changed": config_diff(scale.base, sc.base), "sweep": sweep_rows,
+            "lrs": lrs, "rows": rows, "knobs": knob_rows, "progress": progress}
+
+
+def tables(folder: str | Path, suite: str, *, heading: str = "##", partial: bool = False) -> str:
+    """:func:`suite_tables` of ``suite`` rebuilt from ``<folder>/<suite>.json`` and ``<folder>/runs/*.json``.
+
+    The scale, optimizers and seeds are those the suite ran with (recorded in ``<suite>.json``); the runs are
+    found the way :func:`reproduce` finds them. A missing run is a UserError naming it, or with ``partial``
+    (a suite still under way) a ``-`` in the table and a closing line that counts the runs still to come.
+    """
+    got = _rebuild(Path(folder), suite, partial=partial)
+    return suite_tables(got["spec"], got["scale"], got["sweep"], got["rows"] + got["knobs"],
+                        heading=heading) + got["progress"]
+
+
+def report(folder: str | Path, suite: str, *, command: str = "") -> dict[str, Any]:
+    """Rewrite ``<folder>/<suite>.md`` and its plots from the runs finished so far, running nothing: the
+    picture of a suite under way (``bubblefree reproduce SUITE --report``). Returns what :func:`reproduce`
+    returns."""
+    folder = Path(folder)
+    got = _rebuild(folder, suite, partial=True)
+    spec, sc, rows = got["spec"], got["scale"], got["rows"]
+    plots = draw([r for r in rows if r.get("role") in (None, "best")], spec.plots, folder,
+                 title=f"{spec.title}, scale {sc.name}")
+    text = _markdown(spec, sc, got["sweep"], rows + got["knobs"], plots, None,
+                     command or f"report({str(folder)!r}, {suite!r})", got["changed"], got["progress"])
+    table = folder / f"{suite}.md"
+    table.write_text(text, encoding="utf-8")
+    return {"table": table, "plots": plots, "lrs": got["lrs"], "rows": rows, "sweep": got["sweep"],
+            "knobs": got["knobs"]}
