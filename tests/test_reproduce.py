@@ -491,3 +491,51 @@ def test_an_interrupted_suite_is_tabulated_from_the_runs_it_finished(tmp_path, m
     assert (out / "horizon-gap.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert main(["reproduce", "horizon", "--report", "--seeds", "3", "--out", str(out)]) == 2
     assert main(["reproduce", "moe", "--report", "--out", str(out)]) == 2  # no record: never started
+
+
+def test_parallel_runs_hand_the_pool_no_more_than_jobs_at_a_time(tmp_path, monkeypatch):
+    """Work handed to a process pool moves into its workers' queue where cancelling cannot reach it, so a
+    Ctrl-C used to let queued runs start after the ones in flight had stopped. ``run_all`` keeps at most
+    ``jobs`` runs submitted; a failed run stops the rest (a stand-in pool of threads counts what it holds)."""
+    import concurrent.futures
+    import threading
+
+    held, most, lock = [0], [0], threading.Lock()
+
+    class CountingPool(concurrent.futures.ThreadPoolExecutor):
+        def __init__(self, max_workers, mp_context=None):
+            super().__init__(max_workers=max_workers)
+
+        def submit(self, fn, *args, **kwargs):
+            with lock:
+                held[0] += 1
+                most[0] = max(most[0], held[0])
+
+            def counted():
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    with lock:
+                        held[0] -= 1
+            return super().submit(counted)
+
+    started = []
+
+    def fake(run, work, **kw):
+        started.append(run_id(run))
+        if len(started) == 4:
+            raise RuntimeError("run 4 failed")
+        c = run.config
+        return {"id": run_id(run), "config": config_to_dict(c), "final_val_loss": 1.0, "val_curve": [],
+                "train_curve": [], "tokens_per_s": 1.0, "wall_time_s": 1.0, "commit": "c", "machine": "m"}
+
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", CountingPool)
+    monkeypatch.setattr(runner_module, "_execute", fake)
+    runs = sweep_runs(get_scale("smoke"), ("adamw", "muon", "soap", "adan"))
+    assert len(runs) >= 8
+    with pytest.raises(RuntimeError, match="run 4 failed"):
+        runner_module.run_all(runs, tmp_path, jobs=2)
+    assert most[0] == 2  # two in flight, never more
+    assert len(started) <= 5  # at most the one run in flight beside the failed one; nothing new after it
+    saved = {p.stem for p in (tmp_path / "runs").glob("*.json")}
+    assert saved and saved <= set(started[:3] + started[4:])  # finished runs are saved, the failed one is not

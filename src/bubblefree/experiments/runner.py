@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -217,17 +218,29 @@ def run_all(runs: Sequence[Run], out: str | Path, *, bar: Any = None, jobs: int 
                 bar.set_postfix_str(rid, refresh=True)
             finished(rid, _execute(run, out / "work" / rid, provenance=provenance))
     else:
-        from concurrent.futures import ProcessPoolExecutor, as_completed
+        from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
         from multiprocessing import get_context
 
+        # At most `jobs` runs are handed to the pool at a time: the pool moves submitted work into its workers'
+        # queue ahead of time, where cancelling cannot reach it, so runs submitted all at once went on starting
+        # after a Ctrl-C had stopped the ones in flight.
+        waiting = iter(todo.items())
         with ProcessPoolExecutor(max_workers=min(jobs, len(todo)), mp_context=get_context("spawn")) as pool:
-            futures = {pool.submit(_execute, run, out / "work" / rid, provenance=provenance): rid
-                       for rid, run in todo.items()}
+            def submit_next() -> None:
+                for rid, run in itertools.islice(waiting, 1):
+                    running[pool.submit(_execute, run, out / "work" / rid, provenance=provenance)] = rid
+
+            running: dict[Any, str] = {}
+            for _ in range(min(jobs, len(todo))):
+                submit_next()
             if bar is not None:
                 bar.set_postfix_str(f"{min(jobs, len(todo))} at a time", refresh=True)
             try:
-                for future in as_completed(futures):
-                    finished(futures[future], future.result())
+                while running:
+                    done, _ = wait(running, return_when=FIRST_COMPLETED)
+                    for future in done:
+                        finished(running.pop(future), future.result())
+                        submit_next()
             except BaseException:  # a failed run or Ctrl-C: finished runs are saved, the rest start over later
                 pool.shutdown(wait=False, cancel_futures=True)
                 raise
