@@ -42,18 +42,27 @@ def first_reach(evals: list[dict], target: float) -> dict | None:
 
 
 def _plot(curves: dict[str, list[dict]], target: float, path: Path) -> Path:
+    """Validation loss against training wall-clock; the right panel zooms on the last half of 1F1B's run,
+    where the question (does 2BW + EF reach 1F1B's final loss first?) is decided."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 3.6))
-    for name, evals in curves.items():
-        ax.plot([e["train_s"] for e in evals], [e["val_loss"] for e in evals], marker="o", ms=3, label=name)
-    ax.axhline(target, color="grey", ls=":", lw=1, label="1F1B final")
-    ax.set_xlabel("training wall-clock, rank 0 (s)")
-    ax.set_ylabel("validation loss")
-    ax.legend()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    end = curves["1f1b"][-1]["train_s"]
+    for ax in axes:
+        for name, evals in curves.items():
+            ax.plot([e["train_s"] for e in evals], [e["val_loss"] for e in evals], marker="o", ms=3, label=name)
+        ax.axhline(target, color="grey", ls=":", lw=1, label="1F1B final")
+        ax.set_xlabel("training wall-clock, rank 0 (s)")
+        ax.grid(alpha=0.3)
+    late = [e["val_loss"] for evals in curves.values() for e in evals if e["train_s"] >= end / 2]
+    axes[1].set_xlim(end / 2, end * 1.02)
+    axes[1].set_ylim(min(late + [target]) - 0.005, max(late) + 0.005)
+    axes[1].set_title("last half of 1F1B's run", fontsize=9)
+    axes[0].set_ylabel("validation loss")
+    axes[0].legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
