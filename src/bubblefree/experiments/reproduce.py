@@ -19,7 +19,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -29,6 +29,7 @@ from bubblefree.experiments.plots import draw
 from bubblefree.experiments.runner import Run, commit, machine, pending, run_all, run_id
 from bubblefree.experiments.scales import Scale, get_scale
 from bubblefree.experiments.suites import (
+    Suite,
     choose_lrs,
     get_suite,
     knob_best_runs,
@@ -225,7 +226,22 @@ def suite_tables(spec, scale, sweep_rows: Rows, rows: Rows, *, heading: str = "#
         f"{heading} Results", "", *_budget(spec, scale), spec.table(rows), "", _DEFINITIONS, ""])
 
 
-def _rebuild(folder: Path, suite: str, *, partial: bool) -> dict[str, Any]:
+class _Recorded(NamedTuple):
+    """A suite as its results folder records it (:func:`_rebuild`)."""
+
+    spec: Suite
+    scale: Scale
+    changed: dict[str, tuple[Any, Any]]
+    """``{key: (scale's value, value run)}``: the base-run changes of ``--config`` / ``--set``."""
+    sweep: Rows
+    lrs: dict[str, float]
+    rows: Rows
+    knobs: Rows
+    progress: str
+    """Empty for a finished suite, else a line counting the runs still to come."""
+
+
+def _rebuild(folder: Path, suite: str, *, partial: bool) -> _Recorded:
     """Everything the tables and plots of ``suite`` need, read from ``<folder>/<suite>.json`` and the runs' JSON
     (``partial``: a suite still under way, whose missing runs are left out and counted)."""
     try:
@@ -253,8 +269,8 @@ def _rebuild(folder: Path, suite: str, *, partial: bool) -> dict[str, Any]:
     progress = (f"\n*In progress: {len(planned) - len(missing)} of {len(planned)} runs finished; "
                 f"`bubblefree reproduce {suite} --scale {sc.name} --optimizers {','.join(optimizers)}` with this "
                 f"results folder as `--out` continues it (finished runs are skipped).*\n") if missing else ""
-    return {"spec": spec, "scale": sc, "changed": config_diff(scale.base, sc.base), "sweep": sweep_rows,
-            "lrs": lrs, "rows": rows, "knobs": knob_rows, "progress": progress}
+    return _Recorded(spec=spec, scale=sc, changed=config_diff(scale.base, sc.base), sweep=sweep_rows, lrs=lrs,
+                     rows=rows, knobs=knob_rows, progress=progress)
 
 
 def tables(folder: str | Path, suite: str, *, heading: str = "##", partial: bool = False) -> str:
@@ -265,8 +281,7 @@ def tables(folder: str | Path, suite: str, *, heading: str = "##", partial: bool
     (a suite still under way) a ``-`` in the table and a closing line that counts the runs still to come.
     """
     got = _rebuild(Path(folder), suite, partial=partial)
-    return suite_tables(got["spec"], got["scale"], got["sweep"], got["rows"] + got["knobs"],
-                        heading=heading) + got["progress"]
+    return suite_tables(got.spec, got.scale, got.sweep, got.rows + got.knobs, heading=heading) + got.progress
 
 
 def report(folder: str | Path, suite: str, *, command: str = "") -> dict[str, Any]:
@@ -275,12 +290,11 @@ def report(folder: str | Path, suite: str, *, command: str = "") -> dict[str, An
     returns."""
     folder = Path(folder)
     got = _rebuild(folder, suite, partial=True)
-    spec, sc, rows = got["spec"], got["scale"], got["rows"]
-    plots = draw([r for r in rows if r.get("role") in (None, "best")], spec.plots, folder,
-                 title=f"{spec.title}, scale {sc.name}")
-    text = _markdown(spec, sc, got["sweep"], rows + got["knobs"], plots, None,
-                     command or f"report({str(folder)!r}, {suite!r})", got["changed"], got["progress"])
+    plots = draw([r for r in got.rows if r.get("role") in (None, "best")], got.spec.plots, folder,
+                 title=f"{got.spec.title}, scale {got.scale.name}")
     table = folder / f"{suite}.md"
-    table.write_text(text, encoding="utf-8")
-    return {"table": table, "plots": plots, "lrs": got["lrs"], "rows": rows, "sweep": got["sweep"],
-            "knobs": got["knobs"]}
+    table.write_text(_markdown(got.spec, got.scale, got.sweep, got.rows + got.knobs, plots, None,
+                               command or f"report({str(folder)!r}, {suite!r})", got.changed, got.progress),
+                     encoding="utf-8")
+    return {"table": table, "plots": plots, "lrs": got.lrs, "rows": got.rows, "sweep": got.sweep,
+            "knobs": got.knobs}
