@@ -16,7 +16,7 @@ from bubblefree.cli import main
 from bubblefree.experiments import SCALES, SUITES, get_scale, reproduce, run_id
 from bubblefree.experiments import runner as runner_module
 from bubblefree.experiments.runner import Run
-from bubblefree.experiments.suites import choose_lrs, sweep_extension, sweep_runs, sweep_table
+from bubblefree.experiments.suites import MOMENTA, choose_lrs, sweep_extension, sweep_runs, sweep_table
 from bubblefree.experiments.tables import gap_recovered, noise_floor
 from bubblefree.models import PRESETS as MODEL_PRESETS
 from bubblefree.models import build_model
@@ -149,6 +149,21 @@ def test_horizon_runs_are_full_runs_of_each_length_sharing_the_base_length():
     assert {r.variant for r in runs} == {"sync", "async", "ef"}
     both = [r.x for r in SUITES["horizon"].runs(sc, {"adamw": 2.4e-3, "muon": 0.02})]
     assert both == sorted(both)  # the cheap horizons of every optimizer run before any long one
+
+
+def test_momentum_at_the_optimizers_default_is_the_base_run_not_a_copy():
+    """AdamW's 0.9 and Muon's 0.95 are their defaults: those momentum points are error-feedback's sync / async
+    runs (same ids, so no run twice), while the other momenta set the key and get runs of their own."""
+    sc, lrs = get_scale("long"), {"adamw": 2.4e-3, "muon": 0.02}
+    momentum = SUITES["momentum"].runs(sc, lrs)
+    base = {run_id(r) for r in SUITES["error-feedback"].runs(sc, lrs)}
+    for opt, default in (("adamw", 0.9), ("muon", 0.95)):
+        assert OPTIMIZERS[opt].momentum == default
+        at_default = {run_id(r) for r in momentum if r.optimizer == opt and r.x == default}
+        assert len(at_default) == 2 * sc.seeds and at_default <= base
+        others = [r for r in momentum if r.optimizer == opt and r.x != default]
+        assert others and {r.config.optim.momentum for r in others} == set(MOMENTA) - {default}
+        assert not {run_id(r) for r in others} & base
 
 
 @pytest.mark.parametrize("scale", list(SCALES))

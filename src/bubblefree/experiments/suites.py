@@ -294,8 +294,13 @@ def knob_best_runs(scale: Scale, lrs: dict[str, float], knobs: tuple[Knob, ...],
 
 
 def _momentum_runs(scale: Scale, lrs: dict[str, float]) -> list[Run]:
+    """sync / async at each of ``MOMENTA``. The optimizer's own default momentum (AdamW 0.9, Muon 0.95) is left
+    unset, so those points are the base runs themselves (the ids ``error-feedback`` uses), not copies."""
+    def momentum(opt: str, m: float) -> dict[str, Any]:
+        return {} if m == OPTIMIZERS[opt].momentum else {"optim.momentum": m}
+
     return [run for opt, lr in lrs.items() for m in MOMENTA for variant, over in (("sync", SYNC), ("async", ASYNC))
-            for run in _runs(scale, opt, lr, variant, {**over, "optim.momentum": m}, x=m)]
+            for run in _runs(scale, opt, lr, variant, {**over, **momentum(opt, m)}, x=m)]
 
 
 def _schedule_runs(scale: Scale, lrs: dict[str, float]) -> list[Run]:
