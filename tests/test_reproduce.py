@@ -554,3 +554,27 @@ def test_parallel_runs_hand_the_pool_no_more_than_jobs_at_a_time(tmp_path, monke
     assert len(started) <= 5  # at most the one run in flight beside the failed one; nothing new after it
     saved = {p.stem for p in (tmp_path / "runs").glob("*.json")}
     assert saved and saved <= set(started[:3] + started[4:])  # finished runs are saved, the failed one is not
+
+
+def test_a_suite_run_one_optimizer_at_a_time_records_them_all(tmp_path, monkeypatch):
+    """``--optimizers muon`` then ``--optimizers adamw`` into one folder: the record keeps both (the suite's
+    order), so the tables rebuilt from it show both; another base run starts a new record."""
+    from bubblefree.experiments.reproduce import tables
+
+    def fake(run, work, **kw):
+        c = run.config
+        loss = 3.0 + abs(math.log2(c.optim.lr / OPTIMIZERS[c.optim.name].lr)) + 0.1 * (c.pipeline.schedule != "sync")
+        return {"id": run_id(run), "config": config_to_dict(c), "final_val_loss": loss + 0.01 * c.train.seed,
+                "val_curve": [[1, 1, loss]], "train_curve": [[1, 1, loss]], "tokens_per_s": 1.0,
+                "wall_time_s": 1.0, "commit": "c", "machine": "m"}
+
+    monkeypatch.setattr(runner_module, "_execute", fake)
+    for opt in ("muon", "adamw"):
+        reproduce("momentum", scale="smoke", out=tmp_path, optimizers=(opt,), progress=False, jobs=1)
+    record = json.loads((tmp_path / "momentum.json").read_text())
+    assert record["optimizers"] == ["adamw", "muon"] and set(record["lrs"]) == {"adamw", "muon"}
+    results = tables(tmp_path, "momentum").partition("Results")[2]
+    assert "| adamw | 0.8 |" in results and "| muon | 0.8 |" in results
+    reproduce("momentum", scale="smoke", out=tmp_path, optimizers=("muon",), progress=False, jobs=1,
+              overrides=["train.steps=12"])
+    assert json.loads((tmp_path / "momentum.json").read_text())["optimizers"] == ["muon"]

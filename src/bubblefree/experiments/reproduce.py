@@ -128,10 +128,22 @@ def _write_record(out: Path, suite: str, sc: Scale, lrs: dict[str, float], optim
                   changed: dict[str, tuple[Any, Any]], *, finished: bool, runs: list[str] = ()) -> None:
     """``<out>/<suite>.json``: what :func:`tables` needs to rebuild the tables from the runs' JSON (scale, seeds,
     optimizers, base-run changes, chosen rates). Written once the rates are chosen (``finished`` false: the
-    suite's runs are under way) and again at the end with the ids of every run it used."""
+    suite's runs are under way) and again at the end with the ids of every run it used. A folder where the
+    same suite ran before at the same scale, seeds and base run keeps its optimizers too (``--optimizers muon``
+    then ``--optimizers adamw`` records both), in the suite's order."""
+    path, base_changes = out / f"{suite}.json", {k: b for k, (a, b) in changed.items()}
+    try:
+        before = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        before = {}
+    same = (before.get("scale"), before.get("seeds"), before.get("base_changes") or {})
+    if same == (sc.name, sc.seeds, base_changes):
+        lrs, runs = {**before.get("lrs", {}), **lrs}, sorted({*before.get("runs", ()), *runs})
+        kept = {*before.get("optimizers", ()), *optimizers}
+        optimizers = tuple(o for o in get_suite(suite).optimizers if o in kept)
     record = {"suite": suite, "scale": sc.name, "lrs": lrs, "optimizers": list(optimizers), "seeds": sc.seeds,
-              "base_changes": {k: b for k, (a, b) in changed.items()}, "finished": finished, "runs": list(runs)}
-    (out / f"{suite}.json").write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+              "base_changes": base_changes, "finished": finished, "runs": list(runs)}
+    path.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
 
 
 def _budget(spec, scale) -> list[str]:
