@@ -534,11 +534,15 @@ def test_parallel_runs_hand_the_pool_no_more_than_jobs_at_a_time(tmp_path, monke
                         held[0] -= 1
             return super().submit(counted)
 
-    started = []
+    started, both = [], threading.Barrier(2)
 
     def fake(run, work, **kw):
-        started.append(run_id(run))
-        if len(started) == 4:
+        with lock:
+            started.append(run_id(run))
+            n = len(started)
+        if n <= 2:  # the first two wait for each other: both are in flight at once, whatever the machine's load
+            both.wait(timeout=30)
+        if n == 4:
             raise RuntimeError("run 4 failed")
         c = run.config
         return {"id": run_id(run), "config": config_to_dict(c), "final_val_loss": 1.0, "val_curve": [],
