@@ -16,7 +16,8 @@ from bubblefree.cli import main
 from bubblefree.experiments import SCALES, SUITES, get_scale, reproduce, run_id
 from bubblefree.experiments import runner as runner_module
 from bubblefree.experiments.runner import Run
-from bubblefree.experiments.suites import MOMENTA, choose_lrs, sweep_extension, sweep_runs, sweep_table
+from bubblefree.experiments.suites import MOMENTA
+from bubblefree.experiments.sweeps import choose_lrs, sweep_extension, sweep_runs, sweep_table
 from bubblefree.experiments.tables import gap_recovered, noise_floor
 from bubblefree.models import PRESETS as MODEL_PRESETS
 from bubblefree.models import build_model
@@ -340,7 +341,8 @@ def test_overrides_are_checked_before_any_run(tmp_path, monkeypatch, capsys):
 # ------------------------------------------------------------------------------------------- mitigations
 def test_mitigation_defaults_are_the_runs_the_suite_made_before():
     """The untuned defaults keep the configs (hence the ids) of the runs the suite made before it swept knobs."""
-    from bubblefree.experiments.suites import ASYNC, EF, SYNC, TAYLOR_LAMBDA
+    from bubblefree.experiments.suites import TAYLOR_LAMBDA
+    from bubblefree.experiments.sweeps import ASYNC, EF, SYNC
 
     for scale in ("smoke", "cpu", "long"):
         sc = get_scale(scale)
@@ -358,7 +360,8 @@ def test_mitigation_defaults_are_the_runs_the_suite_made_before():
 
 
 def test_knob_sweep_extends_past_the_end_like_the_learning_rate():
-    from bubblefree.experiments.suites import knob_best_runs, knob_extension, knob_sweep_runs, mitigation_knobs
+    from bubblefree.experiments.suites import mitigation_knobs
+    from bubblefree.experiments.sweeps import knob_best_runs, knob_extension, knob_sweep_runs
 
     sc = get_scale("cpu")  # lr_extend 2: up to two ladder steps past each end of a knob's grid
     knobs = {k.method: k for k in mitigation_knobs()}

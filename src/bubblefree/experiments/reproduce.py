@@ -1,7 +1,7 @@
 """``bubblefree reproduce SUITE``: sweep, run, tabulate and plot one of the paper's experiments.
 
-Steps: (1) the synchronous learning-rate sweep of the suite's optimizers (``suites.sweep_runs``, extended
-past an end of its grid while the best rate sits there: ``suites.sweep_extension``), (2) the
+Steps: (1) the synchronous learning-rate sweep of the suite's optimizers (``sweeps.sweep_runs``, extended
+past an end of its grid while the best rate sits there: ``sweeps.sweep_extension``), (2) the
 suite's runs at the chosen rates, (3) ``<out>/<suite>.md`` (the sweep, the table laid out like the paper's
 with its numbers beside ours, the definitions, provenance) and the PNG plots. Every run leaves
 ``<out>/runs/<id>.json``; a re-run skips finished runs, so an interrupted suite continues where it stopped
@@ -28,10 +28,9 @@ from bubblefree.errors import UserError
 from bubblefree.experiments.plots import draw
 from bubblefree.experiments.runner import Run, commit, machine, pending, run_all, run_id
 from bubblefree.experiments.scales import Scale, get_scale
-from bubblefree.experiments.suites import (
-    Suite,
+from bubblefree.experiments.suites import Suite, get_suite
+from bubblefree.experiments.sweeps import (
     choose_lrs,
-    get_suite,
     knob_best_runs,
     knob_extension,
     knob_sweep_runs,

@@ -2,7 +2,7 @@
 
 Every run is the scale's base run (``experiments.scales``) with a few keys changed; every comparison is made
 at the same ``pipeline.stages`` (so per-stage clipping is the same) and the same learning rate, the one the
-synchronous sweep chose for the optimizer (``sweep_runs`` / ``choose_lrs``). Synchronous baselines always get
+synchronous sweep chose for the optimizer (``experiments.sweeps``). Synchronous baselines always get
 at least two seeds so each gap can be printed beside its noise floor (``experiments.tables``).
 
 | suite | runs (per optimizer) | paper |
@@ -20,7 +20,6 @@ at least two seeds so each gap can be printed beside its noise floor (``experime
 from __future__ import annotations
 
 import difflib
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +27,18 @@ from typing import Any
 from bubblefree.errors import UserError
 from bubblefree.experiments.runner import Run
 from bubblefree.experiments.scales import Scale
+from bubblefree.experiments.sweeps import (
+    ASYNC,
+    DECADES,
+    EF,
+    FRACTIONS,
+    SYNC,
+    Knob,
+    Rows,
+    knob_points,
+    knob_runs,
+    seed_runs,
+)
 from bubblefree.experiments.tables import (
     PAPER_360M,
     PAPER_MOE,
@@ -42,16 +53,9 @@ from bubblefree.experiments.tables import (
     tokens_per_param,
 )
 from bubblefree.optim import OPTIMIZERS
-from bubblefree.config import apply_overrides
 
-__all__ = ["SUITES", "Knob", "Suite", "choose_lrs", "get_suite", "knob_best_runs", "knob_extension", "knob_sweep_runs",
-           "mitigation_knobs", "sweep_extension", "sweep_runs", "sweep_table"]
+__all__ = ["MOMENTA", "SUITES", "Suite", "get_suite", "mitigation_knobs"]
 
-Rows = list[dict[str, Any]]
-
-SYNC = {"pipeline.schedule": "sync", "delay.correction": "none"}
-ASYNC = {"pipeline.schedule": "2bw", "delay.correction": "none"}
-EF = {"pipeline.schedule": "2bw", "delay.correction": "ef"}
 ALL_OPTIMIZERS = ("adamw", "muon", "soap", "adan", "lion", "mars")  # the paper's Table 1 order
 MOMENTA = (0.8, 0.9, 0.95, 0.98)
 TAYLOR_LAMBDA = 0.1  # Taylor's untuned default: docs/delay.md's example value (the paper gives none we could read)
@@ -78,131 +82,17 @@ class Suite:
 # ---------------------------------------------------------------------------------------------- run builders
 
 
-def _lr_grid(scale: Scale, optimizer: str, *, extended: bool = False) -> list[float]:
-    """The sweep's rates, ascending; ``extended``: with ``scale.lr_extend`` more factors beyond each end."""
-    factors = list(scale.lr_factors)
-    if extended and len(factors) > 1:
-        ratio = factors[-1] / factors[-2]
-        factors = ([factors[0] / ratio**k for k in range(scale.lr_extend, 0, -1)] + factors
-                   + [factors[-1] * ratio**k for k in range(1, scale.lr_extend + 1)])
-    return [float(f"{OPTIMIZERS[optimizer].lr * f:.3g}") for f in factors]
-
-
-def _sweep_run(scale: Scale, optimizer: str, lr: float) -> Run:
-    return Run(config=apply_overrides(scale.base, {"optim.name": optimizer, "optim.lr": lr, "train.seed": 0,
-                                                   **SYNC}), variant="sweep", x=lr)
-
-
-def _runs(scale: Scale, optimizer: str, lr: float, variant: str, overrides: dict[str, Any], *,
-          x: float | None = None, **tags: Any) -> list[Run]:
-    """One run per seed (at least two for ``sync``, for the noise floor) of the base run with ``overrides``."""
-    seeds = max(2, scale.seeds) if variant == "sync" else scale.seeds
-    return [Run(config=apply_overrides(scale.base, {"optim.name": optimizer, "optim.lr": lr, "train.seed": seed,
-                                                    **overrides}), variant=variant, x=x, tags=tags)
-            for seed in range(seeds)]
-
-
-def sweep_runs(scale: Scale, optimizers: tuple[str, ...]) -> list[Run]:
-    """The synchronous learning-rate sweep: seed 0, full length, the registry default times each factor.
-
-    The run at the chosen learning rate is the very run the suites use as synchronous seed 0 (same config,
-    same id), so the sweep costs ``len(lr_factors) - 1`` extra runs per optimizer (plus its extensions)."""
-    return [_sweep_run(scale, opt, lr) for opt in optimizers for lr in _lr_grid(scale, opt)]
-
-
-def sweep_extension(scale: Scale, rows: Rows) -> list[Run]:
-    """The next sweep runs: for each optimizer in ``rows`` (the sweep's results so far) whose best rate is the
-    highest (lowest) it tried, the next higher (lower) rate of the extended grid, if there is one.
-
-    ``reproduce`` runs these until none is left, so the chosen rate is inside the rates tried unless the
-    extended grid ends there (``sweep_table`` then marks it)."""
-    out = []
-    for opt, best in choose_lrs(rows).items():
-        tried = sorted({r["x"] for r in rows if r["optimizer"] == opt})
-        if len(tried) < 2 or best not in (tried[0], tried[-1]):
-            continue
-        grid = _lr_grid(scale, opt, extended=True)
-        beyond = [lr for lr in grid if lr > best] if best == tried[-1] else [lr for lr in grid if lr < best][::-1]
-        if beyond:
-            out.append(_sweep_run(scale, opt, beyond[0]))
-    return out
-
-
-def choose_lrs(rows: Rows) -> dict[str, float]:
-    """The learning rate of the lowest final validation loss per optimizer (a diverged run never wins)."""
-    best: dict[str, tuple[float, float]] = {}
-    for r in rows:
-        loss = r["final_val_loss"] if r["final_val_loss"] is not None else math.inf
-        if r["optimizer"] not in best or loss < best[r["optimizer"]][0]:
-            best[r["optimizer"]] = (loss, r["x"])
-    return {opt: lr for opt, (_, lr) in best.items()}
-
-
-def sweep_table(rows: Rows) -> str:
-    """Final validation loss of every sweep point, the chosen one in bold."""
-    chosen = choose_lrs(rows)
-    out = []
-    for opt in dict.fromkeys(r["optimizer"] for r in rows):
-        mine = sorted((r for r in rows if r["optimizer"] == opt), key=lambda r: r["x"])
-        cells = [f"lr {r['x']:g}: " + (f"**{fmt(r['final_val_loss'])}**" if r["x"] == chosen[opt] else
-                                       fmt(r["final_val_loss"])) for r in mine]
-        # A best rate still at an end (the extended grid ends there) says the optimum may lie beyond it.
-        edge = " (grid edge)" if len(mine) > 1 and chosen[opt] in (mine[0]["x"], mine[-1]["x"]) else ""
-        out.append([opt, f"{chosen[opt]:g}{edge}", "; ".join(cells)])
-    return markdown_table(["optimizer", "chosen lr", "sync final val loss per lr (seed 0)"], out)
-
-
 def _sync_async_ef(*, ef: bool, extra: Callable[[Scale], dict[str, Any]] | None = None):
     def runs(scale: Scale, lrs: dict[str, float]) -> list[Run]:
         over = extra(scale) if extra else {}
         out = []
         for opt, lr in lrs.items():
-            out += _runs(scale, opt, lr, "sync", {**SYNC, **over})
-            out += _runs(scale, opt, lr, "async", {**ASYNC, **over})
+            out += seed_runs(scale, opt, lr, "sync", {**SYNC, **over})
+            out += seed_runs(scale, opt, lr, "async", {**ASYNC, **over})
             if ef:
-                out += _runs(scale, opt, lr, "ef", {**EF, **over})
+                out += seed_runs(scale, opt, lr, "ef", {**EF, **over})
         return out
     return runs
-
-
-@dataclass(frozen=True, kw_only=True)
-class Knob:
-    """A mitigation and its own setting, swept like the learning rate (``knob_sweep_runs``)."""
-
-    method: str
-    """The method's row label (the runs' ``variant``)."""
-
-    key: str
-    """The config key swept; ``delay.sync_start_steps`` / ``delay.sync_cooldown_steps`` take a fraction of the
-    run's steps."""
-
-    ladder: tuple[float, ...]
-    """Every value the sweep may try, ascending: the grid and its extensions past each end."""
-
-    grid: tuple[float, ...]
-    """The first values tried (a run of consecutive ladder values)."""
-
-    default: float
-    """The untuned setting every seed runs (for the older methods, the setting the suite ran before it swept)."""
-
-    fixed: dict[str, Any]
-    """The method's other keys (schedule, correction, switches)."""
-
-    def setting(self, steps: int, value: float) -> float | int:
-        """The config value: ``value`` itself, or for a synchronous switch that fraction of ``steps`` (at least
-        one step, in exact integer arithmetic so 10 % is ``steps // 10``, the suite's earlier choice)."""
-        return max(1, steps * round(value * 1000) // 1000) if self.key.startswith("delay.sync_") else value
-
-    def overrides(self, scale: Scale, value: float) -> dict[str, Any]:
-        return {**self.fixed, self.key: self.setting(scale.base.train.steps, value)}
-
-    def label(self, steps: int, value: float) -> str:
-        setting = self.setting(steps, value)
-        return f"{value:.3g} ({setting} steps)" if setting != value else f"{value:g}"
-
-
-FRACTIONS = (0.025, 0.05, 0.1, 0.25, 0.5)
-DECADES = tuple(10.0**k for k in range(-2, 7))
 
 
 def mitigation_knobs() -> tuple[Knob, ...]:
@@ -233,65 +123,14 @@ def mitigation_knobs() -> tuple[Knob, ...]:
     )
 
 
-def _knob_run(scale: Scale, optimizer: str, lr: float, knob: Knob, value: float, role: str, *,
-              seeds: bool) -> list[Run]:
-    tags = {"knob": knob.key, "value": value, "role": role}
-    runs = _runs(scale, optimizer, lr, knob.method, knob.overrides(scale, value), **tags)
-    return runs if seeds else runs[:1]  # seed 0 only: a sweep point
-
-
 def _mitigation_runs(scale: Scale, lrs: dict[str, float]) -> list[Run]:
     """sync, async, and every method at its untuned default, every seed (the knob sweeps come on top)."""
     out = []
     for opt, lr in lrs.items():
-        out += _runs(scale, opt, lr, "sync", SYNC) + _runs(scale, opt, lr, "async", ASYNC)
+        out += seed_runs(scale, opt, lr, "sync", SYNC) + seed_runs(scale, opt, lr, "async", ASYNC)
         for knob in mitigation_knobs():
-            out += _knob_run(scale, opt, lr, knob, knob.default, "default", seeds=True)
+            out += knob_runs(scale, opt, lr, knob, knob.default, "default", seeds=True)
     return out
-
-
-def knob_sweep_runs(scale: Scale, lrs: dict[str, float], knobs: tuple[Knob, ...]) -> list[Run]:
-    """Every knob's grid at seed 0, at the optimizer's chosen learning rate (the learning rate's protocol)."""
-    return [run for opt, lr in lrs.items() for knob in knobs for v in knob.grid
-            for run in _knob_run(scale, opt, lr, knob, v, "sweep", seeds=False)]
-
-
-def _tried(rows: Rows, optimizer: str, knob: Knob) -> dict[float, float]:
-    """``{value: final loss at seed 0}`` of the knob's sweep points so far (a diverged run is ``inf``)."""
-    return {r["value"]: math.inf if r["final_val_loss"] is None else r["final_val_loss"] for r in rows
-            if r["optimizer"] == optimizer and r["variant"] == knob.method and r["role"] == "sweep"}
-
-
-def knob_extension(scale: Scale, lrs: dict[str, float], knobs: tuple[Knob, ...], rows: Rows) -> list[Run]:
-    """The next sweep points: where a knob's best value is the highest (lowest) tried, the next ladder value past
-    it, if the ladder has one and it lies at most ``scale.lr_extend`` steps past the grid (as ``sweep_extension``)."""
-    out = []
-    for opt, lr in lrs.items():
-        for knob in knobs:
-            tried = _tried(rows, opt, knob)
-            if len(tried) < 2:
-                continue
-            best = min(tried, key=lambda v: (tried[v], v))
-            lo, hi = knob.ladder.index(knob.grid[0]), knob.ladder.index(knob.grid[-1])
-            i = knob.ladder.index(best)
-            if best == max(tried) and i + 1 < len(knob.ladder) and i + 1 - hi <= scale.lr_extend:
-                out += _knob_run(scale, opt, lr, knob, knob.ladder[i + 1], "sweep", seeds=False)
-            elif best == min(tried) and i >= 1 and lo - (i - 1) <= scale.lr_extend:
-                out += _knob_run(scale, opt, lr, knob, knob.ladder[i - 1], "sweep", seeds=False)
-    return out
-
-
-def knob_best_runs(scale: Scale, lrs: dict[str, float], knobs: tuple[Knob, ...], rows: Rows) -> list[Run]:
-    """Every knob at its best sweep point, every seed (seed 0 is the sweep's run); none for a knob whose sweep
-    has no finished point yet (tables of a suite under way)."""
-    out = []
-    for opt, lr in lrs.items():
-        for knob in knobs:
-            if tried := _tried(rows, opt, knob):
-                best = min(tried, key=lambda v: (tried[v], v))
-                out += _knob_run(scale, opt, lr, knob, best, "best", seeds=True)
-    return out
-
 
 def _momentum_runs(scale: Scale, lrs: dict[str, float]) -> list[Run]:
     """sync / async at each of ``MOMENTA``. The optimizer's own default momentum (AdamW 0.9, Muon 0.95) is left
@@ -300,7 +139,7 @@ def _momentum_runs(scale: Scale, lrs: dict[str, float]) -> list[Run]:
         return {} if m == OPTIMIZERS[opt].momentum else {"optim.momentum": m}
 
     return [run for opt, lr in lrs.items() for m in MOMENTA for variant, over in (("sync", SYNC), ("async", ASYNC))
-            for run in _runs(scale, opt, lr, variant, {**over, **momentum(opt, m)}, x=m)]
+            for run in seed_runs(scale, opt, lr, variant, {**over, **momentum(opt, m)}, x=m)]
 
 
 def _schedule_runs(scale: Scale, lrs: dict[str, float]) -> list[Run]:
@@ -310,7 +149,7 @@ def _schedule_runs(scale: Scale, lrs: dict[str, float]) -> list[Run]:
             for schedule in ("sync", "2bw", "pipedream", "wpipe"):
                 over = {"model.preset": scale.deep_model, "pipeline.schedule": schedule, "pipeline.stages": depth,
                         "delay.correction": "none"}
-                out += _runs(scale, opt, lr, schedule, over, x=depth)
+                out += seed_runs(scale, opt, lr, schedule, over, x=depth)
     return out
 
 
@@ -330,7 +169,7 @@ def _horizon_runs(scale: Scale, lrs: dict[str, float]) -> list[Run]:
         over = _horizon_overrides(scale, factor)
         for opt, lr in lrs.items():
             for variant, sched in (("sync", SYNC), ("async", ASYNC), ("ef", EF)):
-                out += _runs(scale, opt, lr, variant, {**sched, **over}, x=factor)
+                out += seed_runs(scale, opt, lr, variant, {**sched, **over}, x=factor)
     return out
 
 
@@ -352,7 +191,7 @@ def _sensitivity_runs(scale: Scale, lrs: dict[str, float]) -> list[Run]:
             over = dict(over)
             scaled = lr * over.pop("lr_factor", 1.0)
             for variant, sched in (("sync", SYNC), ("async", ASYNC)):
-                out += _runs(scale, opt, scaled, variant, {**sched, **over}, x=value, setting=setting)
+                out += seed_runs(scale, opt, scaled, variant, {**sched, **over}, x=value, setting=setting)
     return out
 
 
@@ -418,7 +257,7 @@ def _mitigations_table(rows: Rows) -> str:
         out.append([opt, "async (2BW, d=1)", "", fmt_mean(delayed), "", "", "", ""])
         for method in dict.fromkeys(r["variant"] for r in mine if r.get("role")):
             knob = knobs[method]
-            tried = _tried(mine, opt, knob)
+            tried = knob_points(mine, opt, knob)
             best = min(tried, key=lambda v: (tried[v], v)) if tried else knob.default
             cells = []
             for role, value in (("default", knob.default), ("best", best)):
