@@ -25,6 +25,14 @@ from bubblefree.optim import OPTIMIZERS
 from bubblefree.schedules.delays import n_partitions
 from bubblefree.config import apply_overrides, config_to_dict, validate
 
+def _result(run, loss, *, final=None, **extra):
+    """What a finished run's JSON holds, for a stand-in ``runner._execute``: ``loss`` on its curves and, unless
+    ``final`` says otherwise, as its final validation loss."""
+    return {"id": run_id(run), "config": config_to_dict(run.config), "final_val_loss": loss if final is None else final,
+            "val_curve": [[1, 1, loss]], "train_curve": [[1, 1, loss]], "tokens_per_s": 1.0, "wall_time_s": 1.0,
+            "commit": "c", "machine": "m", **extra}
+
+
 
 def test_noise_floor_and_gap_recovered_by_hand():
     # pairs (1.0, 1.2), (1.0, 1.1), (1.2, 1.1): |differences| 0.2, 0.1, 0.1 -> mean 0.4 / 3
@@ -91,8 +99,7 @@ def test_reproduce_walks_the_sweep_to_an_optimum_past_the_grid(tmp_path, monkeyp
     def fake(run, work, **kw):
         executed.append(run.x if run.variant == "sweep" else run.config.optim.lr)
         loss = math.log2(run.config.optim.lr / best) ** 2 + 0.01 * run.config.train.seed
-        return {"id": run_id(run), "config": config_to_dict(run.config), "final_val_loss": loss, "val_curve": [[1, 1, loss]],
-                "train_curve": [[1, 1, loss]], "tokens_per_s": 1.0, "wall_time_s": 1.0, "commit": "c", "machine": "m"}
+        return _result(run, loss)
 
     monkeypatch.setattr(runner_module, "_execute", fake)
     smoke = SCALES["smoke"]
@@ -301,9 +308,7 @@ def test_overrides_change_the_base_run_enter_every_id_and_the_table(tmp_path, mo
 
     def fake(run, work, **kw):
         seen.append(run)
-        return {"id": run_id(run), "config": config_to_dict(run.config), "final_val_loss": 3.0,
-                "val_curve": [[1, 1, 3.0]], "train_curve": [[1, 1, 3.0]], "tokens_per_s": 1.0, "wall_time_s": 1.0,
-                "commit": "c", "machine": "m"}
+        return _result(run, 3.0)
 
     monkeypatch.setattr(runner_module, "_execute", fake)
     argv = ["reproduce", "error-feedback", "--scale", "smoke", "--optimizers", "muon", "--jobs", "1",
@@ -434,8 +439,7 @@ def test_docs_tables_are_rebuilt_from_the_results_json(tmp_path, monkeypatch):
         c = run.config
         loss = (4.0 + abs(math.log2(c.optim.lr / OPTIMIZERS[c.optim.name].lr) - 0.7)
                 + 0.3 * (c.pipeline.schedule != "sync") - 0.2 * (c.delay.correction == "ef") + 0.01 * c.train.seed)
-        return {"id": run_id(run), "config": config_to_dict(c), "final_val_loss": loss, "val_curve": [[1, 1, loss]],
-                "train_curve": [[1, 1, loss]], "tokens_per_s": 1.0, "wall_time_s": 1.0, "commit": "c", "machine": "m"}
+        return _result(run, loss)
 
     monkeypatch.setattr(runner_module, "_execute", fake)
     out = tmp_path / "results" / "smoke"
@@ -471,10 +475,8 @@ def test_an_interrupted_suite_is_tabulated_from_the_runs_it_finished(tmp_path, m
             raise KeyboardInterrupt
         done.append(run_id(run))
         loss = 3.0 + abs(math.log2(c.optim.lr / OPTIMIZERS[c.optim.name].lr)) + 0.5 * (c.pipeline.schedule != "sync")
-        return {"id": run_id(run), "config": config_to_dict(c), "final_val_loss": loss + 0.01 * c.train.seed,
-                "val_curve": [[1, 1, loss]], "train_curve": [[1, 1, loss]], "tokens_per_s": 1.0,
-                "wall_time_s": 1.0, "commit": "c", "machine": "m", "params": 10, "params_non_embedding": 5,
-                "tokens_per_param": c.train.steps / 10}
+        return _result(run, loss, final=loss + 0.01 * c.train.seed, params=10, params_non_embedding=5,
+                       tokens_per_param=c.train.steps / 10)
 
     monkeypatch.setattr(runner_module, "_execute", fake)
     out = tmp_path / "results" / "smoke"
@@ -547,9 +549,7 @@ def test_parallel_runs_hand_the_pool_no_more_than_jobs_at_a_time(tmp_path, monke
             both.wait(timeout=30)
         if n == 4:
             raise RuntimeError("run 4 failed")
-        c = run.config
-        return {"id": run_id(run), "config": config_to_dict(c), "final_val_loss": 1.0, "val_curve": [],
-                "train_curve": [], "tokens_per_s": 1.0, "wall_time_s": 1.0, "commit": "c", "machine": "m"}
+        return _result(run, 1.0)
 
     monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", CountingPool)
     monkeypatch.setattr(runner_module, "_execute", fake)
@@ -571,9 +571,7 @@ def test_a_suite_run_one_optimizer_at_a_time_records_them_all(tmp_path, monkeypa
     def fake(run, work, **kw):
         c = run.config
         loss = 3.0 + abs(math.log2(c.optim.lr / OPTIMIZERS[c.optim.name].lr)) + 0.1 * (c.pipeline.schedule != "sync")
-        return {"id": run_id(run), "config": config_to_dict(c), "final_val_loss": loss + 0.01 * c.train.seed,
-                "val_curve": [[1, 1, loss]], "train_curve": [[1, 1, loss]], "tokens_per_s": 1.0,
-                "wall_time_s": 1.0, "commit": "c", "machine": "m"}
+        return _result(run, loss, final=loss + 0.01 * c.train.seed)
 
     monkeypatch.setattr(runner_module, "_execute", fake)
     for opt in ("muon", "adamw"):

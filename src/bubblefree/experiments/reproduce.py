@@ -46,7 +46,8 @@ __all__ = ["default_jobs", "report", "reproduce", "suite_tables", "tables", "wit
 Rows = list[dict[str, Any]]
 
 _DEFINITIONS = (
-    "Final validation loss (nats per token; at the long scale a token is a byte), mean ± sample std over seeds. *gap* = mean(async) - mean(sync); "
+    "Final validation loss (nats per token; at the long scale a token is a byte), mean ± sample std over seeds. "
+    "*gap* = mean(async) - mean(sync); "
     "*noise floor* = mean |sync(seed a) - sync(seed b)| over pairs of seeds: a gap below it is not an effect; "
     "*gap recovered* = (async - corrected) / (async - sync). Paper numbers: arXiv 2606.30634 via secondary "
     "sources (docs/spec.md section 8), 360M models on FineWeb-Edu, so compare signs and orderings, not values.")
