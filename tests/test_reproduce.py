@@ -423,7 +423,8 @@ def test_mitigations_suite_end_to_end_at_smoke_scale(tmp_path):
     for knob in knobs:
         row = next(line for line in results.splitlines() if line.startswith(f"| muon | {knob.method} |"))
         assert row.count("**") == 2 and len(row.split(";")) == len(knob.grid), row
-    assert (out / "mitigations-curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for plot in ("mitigations-curves.png", "mitigations-recovered.png"):
+        assert (out / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     from bubblefree.experiments.reproduce import tables
 
     assert tables(out, "mitigations") in text  # the knob sweep and the budget rebuilt from the JSON too

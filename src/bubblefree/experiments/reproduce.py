@@ -113,8 +113,7 @@ def reproduce(suite: str, *, scale: str = "cpu", out: str | Path | None = None, 
     elapsed = time.perf_counter() - tic
 
     title = f"{spec.title}, scale {sc.name}"
-    # The curves show each method at its best setting (its default and sweep points are in the table).
-    plots = draw([r for r in rows if r.get("role") in (None, "best")], spec.plots, out, title=title)
+    plots = draw(rows, spec.plots, out, title=title)
     table_path = out / f"{suite}.md"
     command = command or f"reproduce({suite!r}, scale={sc.name!r})"
     table_path.write_text(_markdown(spec, sc, sweep_rows, rows + knob_rows, plots, elapsed, command, changed),
@@ -302,8 +301,7 @@ def report(folder: str | Path, suite: str, *, command: str = "") -> dict[str, An
     returns."""
     folder = Path(folder)
     got = _rebuild(folder, suite, partial=True)
-    plots = draw([r for r in got.rows if r.get("role") in (None, "best")], got.spec.plots, folder,
-                 title=f"{got.spec.title}, scale {got.scale.name}")
+    plots = draw(got.rows, got.spec.plots, folder, title=f"{got.spec.title}, scale {got.scale.name}")
     table = folder / f"{suite}.md"
     table.write_text(_markdown(got.spec, got.scale, got.sweep, got.rows + got.knobs, plots, None,
                                command or f"report({str(folder)!r}, {suite!r})", got.changed, got.progress),

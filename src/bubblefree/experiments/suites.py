@@ -324,7 +324,7 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
     Suite(name="momentum", title="The sync-async gap against momentum", optimizers=("adamw", "muon"),
           runs=_momentum_runs, table=_momentum_table, plots=(("momentum-gap", "gap"),)),
     Suite(name="mitigations", title="Mitigations of the one-step delay", optimizers=("adamw", "muon"),
-          runs=_mitigation_runs, table=_mitigations_table, plots=(("mitigations-curves", "curves"),),
+          runs=_mitigation_runs, table=_mitigations_table, plots=(("mitigations-curves", "curves"), ("mitigations-recovered", "recovered")),
           knobs=mitigation_knobs()),
     Suite(name="schedules", title="PipeDream vs 2BW vs WPipe against pipeline depth", optimizers=("adamw", "muon"),
           runs=_schedule_runs, table=_schedules_table, plots=(("schedules-gap", "gap"),)),
