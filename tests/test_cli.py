@@ -190,3 +190,28 @@ def test_tensorboard_without_the_extra_is_a_user_error(tmp_path, capsys):
     _expect_user_error(capsys, ["train", "--preset", "smoke", "--set", "log.tensorboard=true",
                                 "--out", str(tmp_path / "run")], "pip install 'bubblefree[tensorboard]'")
     assert not (tmp_path / "run").exists()
+
+
+def test_every_documented_train_command_is_a_valid_config():
+    """Each ``bubblefree train`` line of README.md and docs/ (code blocks) parses and validates: a renamed key,
+    a refused value or a stale preset in an example fails here, not in a reader's first run."""
+    import shlex
+
+    from bubblefree.cli import build_parser
+    from bubblefree.errors import UserError
+    from bubblefree.train.presets import load_config
+
+    root = Path(__file__).resolve().parents[1]
+    lines = [(path.name, line.strip()) for path in [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+             for line in path.read_text(encoding="utf-8").replace("\\\n", " ").splitlines()  # continued lines
+             if line.strip().startswith("bubblefree train ")]
+    checked = 0
+    for name, line in lines:
+        args = build_parser().parse_args(shlex.split(line, comments=True)[1:])
+        if args.config is None and args.resume is None:  # those name files of the reader's own
+            try:
+                load_config(args.preset, None, args.overrides)
+            except UserError as err:
+                pytest.fail(f"{name}: `{line}`: {err}")
+            checked += 1
+    assert checked >= 20, f"only {checked} documented train commands found"
