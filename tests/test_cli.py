@@ -192,26 +192,37 @@ def test_tensorboard_without_the_extra_is_a_user_error(tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
-def test_every_documented_train_command_is_a_valid_config():
-    """Each ``bubblefree train`` line of README.md and docs/ (code blocks) parses and validates: a renamed key,
-    a refused value or a stale preset in an example fails here, not in a reader's first run."""
+def _documented_commands() -> list[tuple[str, str]]:
+    """``(file, line)`` of each ``bubblefree ...`` command in a code block of README.md or docs/*.md (fenced or
+    indented by four spaces), continuation lines joined."""
+    root = Path(__file__).resolve().parents[1]
+    out = []
+    for path in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        fenced = False
+        for line in path.read_text(encoding="utf-8").replace("\\\n", " ").splitlines():
+            if line.lstrip().startswith("```"):
+                fenced = not fenced
+            elif (fenced or line.startswith("    ")) and line.strip().startswith("bubblefree "):
+                out.append((path.name, line.strip()))
+    return out
+
+
+def test_every_documented_command_parses_and_every_train_command_validates():
+    """A renamed key, a refused value, a stale flag or preset in an example fails here, not in a reader's run."""
     import shlex
 
     from bubblefree.cli import build_parser
     from bubblefree.errors import UserError
     from bubblefree.train.presets import load_config
 
-    root = Path(__file__).resolve().parents[1]
-    lines = [(path.name, line.strip()) for path in [root / "README.md", *sorted((root / "docs").glob("*.md"))]
-             for line in path.read_text(encoding="utf-8").replace("\\\n", " ").splitlines()  # continued lines
-             if line.strip().startswith("bubblefree train ")]
-    checked = 0
-    for name, line in lines:
-        args = build_parser().parse_args(shlex.split(line, comments=True)[1:])
-        if args.config is None and args.resume is None:  # those name files of the reader's own
-            try:
+    commands = _documented_commands()
+    trains = 0
+    for name, line in commands:
+        try:
+            args = build_parser().parse_args(shlex.split(line, comments=True)[1:])
+            if args.command == "train" and args.config is None and args.resume is None:  # no reader's own files
                 load_config(args.preset, None, args.overrides)
-            except UserError as err:
-                pytest.fail(f"{name}: `{line}`: {err}")
-            checked += 1
-    assert checked >= 20, f"only {checked} documented train commands found"
+                trains += 1
+        except (SystemExit, UserError) as err:
+            pytest.fail(f"{name}: `{line}`: {err}")
+    assert len(commands) >= 40 and trains >= 20, (len(commands), trains)
