@@ -146,7 +146,7 @@ def _recovered(rows: Rows, path: Path, title: str) -> None:
     axes[0][0].invert_yaxis()
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=7, frameon=False)
-    fig.suptitle(f"{title}: share of the async gap recovered (grey: noise floor)", fontsize=10)
+    fig.suptitle(f"{title}\nshare of the async gap recovered (grey: noise floor)", fontsize=10)
     _save(plt, fig, path, rect=(0, 0.06, 1, 1))  # room for the legend below the panels
 
 
