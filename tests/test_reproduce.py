@@ -175,7 +175,7 @@ def test_momentum_at_the_optimizers_default_is_the_base_run_not_a_copy():
 
 
 @pytest.mark.parametrize("scale", list(SCALES))
-@pytest.mark.parametrize("suite", list(SUITES))
+@pytest.mark.parametrize("suite", [name for name, s in SUITES.items() if not s.cells])
 def test_every_suite_builds_valid_comparable_runs(suite, scale):
     sc = get_scale(scale)
     spec = SUITES[suite]

@@ -153,7 +153,13 @@ class TrainConfig:
     """Evaluate on the validation split every N steps (and at the end); 0 only at the end."""
 
     eval_batches: int = _key(8, gt=0)
-    """Validation batches per evaluation (fixed, deterministic windows)."""
+    """Validation batches per evaluation (fixed, deterministic windows: ``eval_batches x batch_size`` windows
+    evenly spaced over the validation split, so the same product evaluates the same windows at any batch)."""
+
+    test_split: bool = _key(False)
+    """Set every second evaluation window aside as a test set: ``val_loss`` is then the mean over the even
+    windows (the ones a sweep chooses on) and ``test_loss`` over the odd ones (the ones a study reports),
+    disjoint from each other and from the training split."""
 
     log_every: int = _key(10, gt=0)
     """Write one metrics line every N steps."""

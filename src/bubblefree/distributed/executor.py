@@ -109,10 +109,10 @@ class DistributedExecutor:
         """End the running asynchronous segment at the last completed step (nothing to do if none runs)."""
         self._async.drain()
 
-    def evaluate(self) -> float | None:
-        """Validation loss at the current weights on the writer (None elsewhere)."""
+    def evaluate(self, split: str = "val") -> float | None:
+        """Loss on the ``split`` windows at the current weights on the writer (None elsewhere)."""
         self.drain()
-        return gather.evaluate(self.rank)
+        return gather.evaluate(self.rank, split)
 
     def state_dict(self) -> dict[str, Any]:
         """Drain, then gather the whole pipeline's state on the writer (:func:`~bubblefree.distributed.gather.

@@ -29,14 +29,15 @@ def _to_cpu(tree: Any) -> Any:
 
 
 @torch.no_grad()
-def evaluate(rank: Rank) -> float | None:
-    """Validation loss at the current weights on stage 0 of replica 0 (None elsewhere): replica 0 runs the
-    evaluation batches through its pipeline and the last stage sends the mean back to stage 0."""
+def evaluate(rank: Rank, split: str = "val") -> float | None:
+    """Loss on the ``split`` windows (``build.validation_batches``) at the current weights on stage 0 of
+    replica 0 (None elsewhere): replica 0 runs the evaluation batches through its pipeline and the last stage
+    sends the mean back to stage 0."""
     mesh = rank.mesh
     if mesh.replica != 0:
         return None
     rank.module.eval()
-    batches = validation_batches(rank.config, rank.data.val, rank.device)
+    batches = validation_batches(rank.config, rank.data.val, rank.device, split)
     total = torch.zeros((), dtype=torch.float64, device=rank.device)
     for i, (x, y) in enumerate(batches):
         if not mesh.is_first:

@@ -18,7 +18,15 @@ from typing import Any
 
 import numpy as np
 
-from bubblefree.experiments.tables import gap_recovered, losses, mean, noise_floor
+from bubblefree.experiments.tables import (
+    gap_recovered,
+    losses,
+    mean,
+    noise_floor,
+    paired,
+    paired_interval,
+    share_interval,
+)
 
 __all__ = ["draw"]
 
@@ -190,8 +198,51 @@ def _horizon(rows: Rows, path: Path, title: str) -> None:
     _save(plt, fig, path)
 
 
+def _steps(rows: Rows, path: Path, title: str) -> None:
+    """Top: the paired gap of 2BW and of 2BW + EF to sync (each at its own tuned rate, test windows, reported
+    seeds) against the number of steps, the 95 % interval as a band; bottom: EF's share of the gap with its
+    bootstrap interval. One column per optimizer."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def by_seed(mine: Rows, x: float, variant: str) -> dict[int, float]:
+        return {r["seed"]: math.inf if r.get("final_test_loss") is None else r["final_test_loss"]
+                for r in mine if r["x"] == x and r["variant"] == variant and r.get("role") == "best"}
+
+    optimizers = list(dict.fromkeys(r["optimizer"] for r in rows))
+    fig, axes = plt.subplots(2, len(optimizers), figsize=(4.4 * len(optimizers), 6.4), dpi=100, squeeze=False)
+    for col, opt in enumerate(optimizers):
+        mine = [r for r in rows if r["optimizer"] == opt]
+        xs = sorted({r["x"] for r in mine})
+        steps = [next(r for r in mine if r["x"] == x)["config"]["train"]["steps"] for x in xs]
+        at = {x: {v: by_seed(mine, x, v) for v in ("sync", "async", "ef")} for x in xs}
+        top, bottom = axes[0][col], axes[1][col]
+        for variant, label, color in (("async", "2BW", "C0"), ("ef", "2BW + EF", "C1")):
+            got = np.array([paired_interval(paired(at[x][variant], at[x]["sync"])) for x in xs])
+            top.plot(steps, got[:, 0], "o-", lw=1.5, color=color, label=label)
+            top.fill_between(steps, got[:, 1], got[:, 2], color=color, alpha=0.2, lw=0)
+        share = 100 * np.array([share_interval(at[x]["sync"], at[x]["async"], at[x]["ef"]) for x in xs])
+        bottom.plot(steps, share[:, 0], "o-", lw=1.5, color="C1")
+        bottom.fill_between(steps, share[:, 1], share[:, 2], color="C1", alpha=0.2, lw=0)
+        bottom.axhline(100.0, color="black", lw=0.8, ls="--")
+        top.axhline(0.0, color="black", lw=0.8)
+        top.set_title(opt)
+        top.set_ylabel("final test loss - sync (paired)")
+        bottom.set_ylabel("gap recovered by EF (%)")
+        for ax in (top, bottom):
+            ax.set_xscale("log")
+            ax.set_xlabel("optimizer steps (same tokens)")
+            ax.grid(alpha=0.3)
+        top.legend(fontsize=7)
+    fig.suptitle(f"{title}\nbands: 95 % intervals over the reported seeds", fontsize=10)
+    _save(plt, fig, path)
+
+
 def draw(rows: Rows, plots: Sequence[tuple[str, str]], out: str | Path, *, title: str) -> list[Path]:
-    """Draw each ``(stem, kind)`` of ``plots`` (kind ``curves``, ``gap``, ``horizon`` or ``recovered``) into
+    """Draw each ``(stem, kind)`` of ``plots`` (kind ``curves``, ``gap``, ``horizon``, ``recovered`` or
+    ``steps``) into
     ``out/<stem>.png``."""
     paths = []
     for stem, kind in plots:
@@ -205,7 +256,9 @@ def draw(rows: Rows, plots: Sequence[tuple[str, str]], out: str | Path, *, title
             _horizon(rows, path, title)
         elif kind == "recovered":
             _recovered(rows, path, title)
+        elif kind == "steps":
+            _steps(rows, path, title)
         else:
-            raise ValueError(f"Invalid plot kind: {kind!r} (expected 'curves', 'gap', 'horizon' or 'recovered')")
+            raise ValueError(f"Invalid plot kind: {kind!r} (expected 'curves', 'gap', 'horizon', 'recovered' or 'steps')")
         paths.append(path)
     return paths

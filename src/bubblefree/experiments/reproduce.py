@@ -30,6 +30,11 @@ from bubblefree.experiments.runner import Run, commit, machine, pending, run_all
 from bubblefree.experiments.scales import Scale, get_scale
 from bubblefree.experiments.suites import Suite, get_suite
 from bubblefree.experiments.sweeps import (
+    CHOICE_SEED,
+    cell_extension,
+    cell_report_runs,
+    cell_sweep_runs,
+    cell_sweep_table,
     choose_lrs,
     knob_best_runs,
     knob_extension,
@@ -91,14 +96,20 @@ def reproduce(suite: str, *, scale: str = "cpu", out: str | Path | None = None, 
 
     # The suite's runs depend on the rates the sweep picks: until then the bar's total is an estimate made
     # at the default rates, set exactly once the sweep is done.
-    todo = pending(sweep_runs(sc, chosen), out)
-    estimate = pending(spec.runs(sc, {o: OPTIMIZERS[o].lr for o in chosen}), out) - todo
+    if spec.cells:  # every cell's sweep and its reported seeds, one run per seed at one rate (extra ones added)
+        todo = pending(cell_sweep_runs(sc, chosen, spec.cells(sc)), out)
+        estimate = pending(cell_report_runs(sc, chosen, spec.cells(sc), _guess(sc, chosen, spec.cells(sc))), out)
+    else:
+        todo = pending(sweep_runs(sc, chosen), out)
+        estimate = pending(spec.runs(sc, {o: OPTIMIZERS[o].lr for o in chosen}), out) - todo
     tic = time.perf_counter()
     with tqdm(total=len(todo) + len(estimate), unit="run", desc=f"{suite} ({sc.name})", dynamic_ncols=True,
               disable=not progress) as bar:
         def execute(runs: list[Run], phase: str) -> Rows:
             if phase == "extension":
                 bar.total += len(pending(runs, out))
+            elif phase == "cells":  # a point's sweep or its reported seeds: counted at the default rates
+                bar.total += len(pending(runs, out) - todo - estimate)
             elif phase == "knobs":  # the suite's runs at the chosen rates follow; counted once known
                 bar.total = bar.n + len(pending(runs, out))
             elif phase == "suite":
@@ -121,6 +132,12 @@ def reproduce(suite: str, *, scale: str = "cpu", out: str | Path | None = None, 
     _write_record(out, suite, sc, lrs, chosen, changed, finished=True,
                   runs=sorted({r["id"] for r in rows + knob_rows + sweep_rows}))
     return {"table": table_path, "plots": plots, "lrs": lrs, "rows": rows, "sweep": sweep_rows, "knobs": knob_rows}
+
+
+def _guess(sc: Scale, optimizers: tuple[str, ...], cells: list) -> Rows:
+    """Stand-in sweep rows that choose every cell's registry rate: the bar's first estimate of a tuned suite."""
+    return [{"role": "sweep", "optimizer": o, "variant": c.variant, "x": c.x, "lr": OPTIMIZERS[o].lr,
+             "final_val_loss": 0.0} for c in cells for o in optimizers]
 
 
 def _write_record(out: Path, suite: str, sc: Scale, lrs: dict[str, float], optimizers: tuple[str, ...],
@@ -146,7 +163,17 @@ def _write_record(out: Path, suite: str, sc: Scale, lrs: dict[str, float], optim
 
 
 def _budget(spec, scale) -> list[str]:
-    """The tuning budget of a suite whose methods have knobs, in words (the table lists the points tried)."""
+    """The tuning budget of a suite whose methods have knobs or whose arms are tuned, in words (the table lists
+    the points tried)."""
+    if spec.cells:
+        n = len(scale.lr_factors)
+        return [(f"Tuning budget: every arm at every point sweeps its own learning rate on the same grid ({n} "
+                 f"rates, extended past an end while the best sits there, up to {scale.lr_extend} beyond each end) "
+                 f"at seed {CHOICE_SEED}, choosing on the validation windows; the losses below are the other seeds "
+                 f"({scale.seeds}: {CHOICE_SEED + 1}-{CHOICE_SEED + scale.seeds}) at the chosen rate, on the test "
+                 f"windows (`train.test_split`), so no reported run chose anything. Gaps are means of paired "
+                 f"per-seed differences with a 95 % t interval; EF's share has a 95 % bootstrap interval over "
+                 f"seeds."), ""]
     if not spec.knobs:
         return []
     n = len(spec.knobs[0].grid)
@@ -210,6 +237,19 @@ def _gather(spec, scale, optimizers: tuple[str, ...], execute: Callable[[list[Ru
     the suite's runs at the chosen rates and best settings ("suite"). ``execute(runs, phase)`` returns their
     records; ``rates_chosen(rates)`` is called once the sweep is done. Returns ``(sweep rows, rates, suite rows,
     knob rows)``."""
+    if spec.cells:  # every arm tuned on its own, one point after the other so each point's table fills in
+        cells, sweep_rows, rows = spec.cells(scale), [], []
+        lrs = {o: OPTIMIZERS[o].lr for o in optimizers}  # the centre of every cell's grid
+        for x in dict.fromkeys(cell.x for cell in cells):
+            point = [cell for cell in cells if cell.x == x]
+            swept = execute(cell_sweep_runs(scale, optimizers, point), "cells")
+            while (extension := cell_extension(scale, optimizers, point, swept)) and (
+                    new := execute(extension, "extension")):
+                swept += new
+            sweep_rows += swept
+            rates_chosen(lrs)
+            rows += execute(cell_report_runs(scale, optimizers, point, swept), "cells")
+        return sweep_rows, lrs, rows, []
     sweep_rows = execute(sweep_runs(scale, optimizers), "sweep")
     # A best rate at an end: try past it. (An extension that yields no rows, one still to run when the tables
     # of a suite under way are rebuilt, ends the loop.)
@@ -232,8 +272,11 @@ def suite_tables(spec, scale, sweep_rows: Rows, rows: Rows, *, heading: str = "#
     """The learning-rate sweep and the suite's table (``rows``: the suite's and the knob sweep's) with the
     tuning budget and the definitions: the part of ``<suite>.md`` that depends on the runs' results alone
     (no commit, machine or timing), under ``heading``-level titles."""
+    sweep = (f"{heading} Learning-rate sweep of every arm (seed {CHOICE_SEED}, full length, validation windows)",
+             "", cell_sweep_table(sweep_rows)) if spec.cells else (
+        f"{heading} Learning-rate sweep (synchronous, seed 0, full length)", "", sweep_table(sweep_rows))
     return "\n".join([
-        f"{heading} Learning-rate sweep (synchronous, seed 0, full length)", "", sweep_table(sweep_rows), "",
+        *sweep, "",
         f"{heading} Results", "", *_budget(spec, scale), spec.table(rows), "", _DEFINITIONS, ""])
 
 

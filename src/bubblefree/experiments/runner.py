@@ -83,6 +83,7 @@ NEUTRAL: dict[str, Any] = {
     "delay.taylor_adaptive": False,  # DC-ASGD-a: off is the plain Taylor rule
     "delay.nesterov_gamma": 0.99,  # the value hard-coded before the key existed
     "delay.predict_scale": 1.0,  # acts only with delay.correction = predict, added with it
+    "train.test_split": False,  # off: every evaluation window is validation, as before the key existed
 }
 """Every config key added after :data:`_ORIGINAL_KEYS`, with its *neutral* value: the value under which a run
 computes exactly what it computed before the key existed. A key at its neutral value is left out of the id, so
@@ -168,11 +169,14 @@ def _execute(run: Run, work: Path, *, provenance: dict[str, str]) -> dict[str, A
     wall = time.perf_counter() - tic
     shutil.rmtree(work / "run" / "checkpoints", ignore_errors=True)  # megabytes each, never resumed
     records = read_metrics(work / "run" / METRICS_FILE)
-    loss = summary["final_val_loss"]
+    loss, test = summary["final_val_loss"], summary.get("final_test_loss")
+    tested = {} if test is None else {
+        "final_test_loss": test if math.isfinite(test) else None,
+        "test_curve": [[r["step"], r["tokens"], r["test_loss"]] for r in records if "test_loss" in r]}
     return {
         "id": run_id(run), "config": config_to_dict(run.config),
         "final_val_loss": loss if math.isfinite(loss) else None,
-        "val_curve": [[r["step"], r["tokens"], r["val_loss"]] for r in records if "val_loss" in r],
+        "val_curve": [[r["step"], r["tokens"], r["val_loss"]] for r in records if "val_loss" in r], **tested,
         "train_curve": [[r["step"], r["tokens"], r["loss"]] for r in records],
         "tokens_per_s": summary["tokens_per_s"], "wall_time_s": wall,
         "params": summary["params"], "params_non_embedding": summary["params_non_embedding"],

@@ -25,6 +25,8 @@ another one (a 32-layer narrow ``deep-*`` model for the depth-16 schedules, an M
   23 per non-embedding parameter; 1.3 passes over the 7.7M-byte training split), 2 seeds, the cpu scale's
   sweep. The ``horizon`` suite trains it to 0.05x-2x that length (1 to 41 tokens per parameter); a 16-layer
   model of the same size for the depth-2 and depth-8 schedules, a 0.5M MoE. docs/results.md has the time per run.
+  The ``steps`` suite trains the same tokens in 4x the steps (8 x 256, 4800 steps), then at the base length; a 16x
+  point (2 x 256, 19,200 steps) costs about an hour per run on one core (docs/results.md) and is left out.
 - SOAP preconditions every dimension up to ``optim.max_precond_dim``, below the vocabulary and above every
   hidden dimension at every real scale (2048 at cpu, 4096 at gpu, 255 at long): the paper's regime, where the 49152
   vocabulary exceeds SOAP's default 10000 and the widest hidden dimension (2560) does not. At cpu scale with
@@ -74,6 +76,10 @@ class Scale:
     """Lengths of the ``horizon`` suite's runs as multiples of the base run's steps (each a full run with
     its own warmup and cosine decay, not a cut of a longer one)."""
 
+    step_factors: tuple[int, ...] = (1, 4)
+    """Points of the ``steps`` suite: the base run's tokens in ``f`` times the steps (batch divided by ``f``),
+    in the order the suite runs them."""
+
 
 # Evaluation and logging settings shared by every scale's runs: the progress bar is the suite's, not the run's.
 _QUIET = {"log.progress": False, "train.ckpt_every": 0, "train.ckpt_keep": 1}
@@ -85,7 +91,7 @@ def _smoke() -> Scale:
         "train.eval_every": 0, "train.eval_batches": 4, "train.log_every": 5,
     })
     return Scale(name="smoke", base=base, seeds=1, lr_factors=(0.5, 1.0), lr_extend=0, deep_model="deep-1m",
-                 moe_model="moe-1m", horizons=(0.5, 1.0))
+                 moe_model="moe-1m", horizons=(0.5, 1.0), step_factors=(1, 2))
 
 
 def _cpu() -> Scale:
@@ -119,7 +125,7 @@ def _long() -> Scale:
     })
     return Scale(name="long", base=base, seeds=2, lr_factors=(0.5, 1.0, 2.0), lr_extend=2,
                  deep_model="byte-deep-0.5m", moe_model="byte-moe-0.5m", depths=(2, 8),
-                 horizons=(0.05, 0.25, 1.0, 2.0))
+                 horizons=(0.05, 0.25, 1.0, 2.0), step_factors=(4, 1))
 
 
 SCALES = {"smoke": _smoke, "cpu": _cpu, "gpu": _gpu, "long": _long}

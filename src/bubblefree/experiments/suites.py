@@ -15,11 +15,16 @@ at least two seeds so each gap can be printed beside its noise floor (``experime
 | ``sensitivity`` | sync, async at 0.5x / 2x batch (same tokens), 0.5x / 2x lr, wd 0 / 0.3; AdamW, Muon | ablations |
 | ``moe`` | sync, async, async + EF on a small MoE; AdamW, Muon | MoE result |
 | ``horizon`` | sync, async, async + EF trained to several lengths (tokens per parameter); AdamW, Muon | 50B vs 200B |
+| ``steps`` | sync, async, async + EF, each at its own tuned rate, the same tokens in 1x / 4x / 16x the steps; Muon, AdamW | step count |
+
+``steps`` is the one suite that tunes every arm and keeps choosing and reporting apart (``sweeps.Cell``): its
+table gives paired differences over the reported seeds with 95 % intervals and a verdict.
 """
 
 from __future__ import annotations
 
 import difflib
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +38,7 @@ from bubblefree.experiments.sweeps import (
     EF,
     FRACTIONS,
     SYNC,
+    Cell,
     Knob,
     Rows,
     knob_points,
@@ -43,6 +49,7 @@ from bubblefree.experiments.tables import (
     PAPER_360M,
     PAPER_MOE,
     fmt,
+    fmt_interval,
     fmt_mean,
     fmt_pct,
     gap_recovered,
@@ -50,7 +57,11 @@ from bubblefree.experiments.tables import (
     markdown_table,
     mean,
     noise_floor,
+    paired,
+    paired_interval,
+    share_interval,
     tokens_per_param,
+    verdict,
 )
 from bubblefree.optim import OPTIMIZERS
 
@@ -77,6 +88,10 @@ class Suite:
 
     knobs: tuple[Knob, ...] = ()
     """Settings of the suite's methods swept after the learning rate (``knob_sweep_runs``)."""
+
+    cells: Callable[[Scale], list[Cell]] | None = None
+    """For a suite that tunes every arm: its cells, each swept on its own instead of the synchronous sweep
+    (``sweeps.cell_sweep_runs``); ``runs`` is then unused."""
 
 
 # ---------------------------------------------------------------------------------------------- run builders
@@ -195,6 +210,25 @@ def _sensitivity_runs(scale: Scale, lrs: dict[str, float]) -> list[Run]:
     return out
 
 
+def steps_overrides(scale: Scale, factor: int) -> dict[str, Any]:
+    """The base run's tokens in ``factor`` times the steps: the batch divided by ``factor``; the warmup keeps its
+    share (``train.warmup_frac``), evaluations and log lines their count, and the evaluation its windows
+    (``eval_batches x batch_size`` windows, split into validation and test halves by ``train.test_split``)."""
+    t, pipe = scale.base.train, scale.base.pipeline
+    if factor < 1 or t.batch_size % factor:
+        raise UserError(f"Invalid steps factor: {factor} (must divide train.batch_size = {t.batch_size})")
+    batch = t.batch_size // factor
+    return {"train.batch_size": batch, "train.steps": t.steps * factor, "train.eval_every": t.eval_every * factor,
+            "train.eval_batches": t.eval_batches * factor, "train.log_every": t.log_every * factor,
+            "train.test_split": True, "pipeline.microbatches": min(pipe.microbatches, batch)}
+
+
+def _steps_cells(scale: Scale) -> list[Cell]:
+    """sync / async / async + EF at each of ``scale.step_factors``, in its order."""
+    return [Cell(variant=variant, x=factor, overrides={**sched, **steps_overrides(scale, factor)})
+            for factor in scale.step_factors for variant, sched in (("sync", SYNC), ("async", ASYNC), ("ef", EF))]
+
+
 # ---------------------------------------------------------------------------------------------- tables
 
 
@@ -300,6 +334,50 @@ def _horizon_table(rows: Rows) -> str:
                            "async + EF", "gap", "noise floor", "gap recovered"], out)
 
 
+def _test_by_seed(rows: Rows, **match: Any) -> dict[int, float]:
+    """``{seed: final test loss}`` of the rows matching ``match`` (``inf`` for a diverged run)."""
+    return {r["seed"]: math.inf if r.get("final_test_loss") is None else r["final_test_loss"]
+            for r in rows if all(r.get(k) == v for k, v in match.items())}
+
+
+def _steps_table(rows: Rows) -> str:
+    """Per optimizer and point: each arm at its own rate (reported seeds, test windows), the paired gaps with
+    95 % intervals and the verdict, EF's recovered share, the gaps at the synchronous rate, and 2BW + EF against
+    the best synchronous point of the whole axis."""
+    out = []
+    for opt in dict.fromkeys(r["optimizer"] for r in rows):
+        mine = [r for r in rows if r["optimizer"] == opt]
+        xs = sorted({r["x"] for r in mine})
+        at = {x: {v: _test_by_seed(mine, x=x, variant=v, role="best") for v in ("sync", "async", "ef")} for x in xs}
+        synced = [x for x in xs if at[x]["sync"]]
+        best_x = min(synced, key=lambda x: mean(list(at[x]["sync"].values()))) if synced else None
+        best_steps = next((r["config"]["train"]["steps"] for r in mine if r["x"] == best_x), None)
+        for x in xs:
+            cell = at[x]
+            first = next(r for r in mine if r["x"] == x)
+            t = first["config"]["train"]
+            lr = {v: next((f"{r['lr']:g}" for r in mine if r["x"] == x and r["variant"] == v and r["role"] == "best"),
+                          "-") for v in ("sync", "async", "ef")}
+            gap, ef_gap = paired_interval(paired(cell["async"], cell["sync"])), paired_interval(
+                paired(cell["ef"], cell["sync"]))
+            share = share_interval(cell["sync"], cell["async"], cell["ef"])
+            at_sync = [fmt_interval(*paired_interval(paired(_test_by_seed(mine, x=x, variant=v, role="sync-lr")
+                                                            or cell[v], cell["sync"]))) for v in ("async", "ef")]
+            best = (paired_interval(paired(cell["ef"], at[best_x]["sync"])) if best_x is not None
+                    else (math.nan,) * 3)
+            out.append([opt, f"{t['steps']} ({t['batch_size']} x {t['seq_len']})", " / ".join(lr.values()),
+                        *(fmt_mean(list(cell[v].values())) for v in ("sync", "async", "ef")),
+                        fmt_interval(*gap), fmt_interval(*ef_gap), verdict(*ef_gap[1:]),
+                        fmt_pct(share[0]) + (f" [{fmt_pct(share[1])}, {fmt_pct(share[2])}]"
+                                             if math.isfinite(share[1]) else ""),
+                        " / ".join(at_sync),
+                        f"{fmt_interval(*best)} (sync at {best_steps} steps): {verdict(*best[1:], than='it')}"
+                        if best_x is not None else "-"])
+    return markdown_table(["optimizer", "steps (batch)", "lr sync / 2BW / 2BW + EF", "sync", "2BW", "2BW + EF",
+                           "2BW gap [95 %]", "2BW + EF gap [95 %]", "2BW + EF verdict", "EF recovered [95 %]",
+                           "gap at sync's lr: 2BW / 2BW + EF", "2BW + EF - best sync on the axis"], out)
+
+
 def _sensitivity_table(rows: Rows) -> str:
     opts = list(dict.fromkeys(r["optimizer"] for r in rows))
     out = []
@@ -336,6 +414,9 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
           table=_moe_table, plots=(("moe-curves", "curves"),)),
     Suite(name="horizon", title="The sync-async gap against the training horizon", optimizers=("adamw", "muon"),
           runs=_horizon_runs, table=_horizon_table, plots=(("horizon-gap", "horizon"),)),
+    Suite(name="steps", title="The sync-async gap against the step count at fixed tokens, every arm tuned",
+          optimizers=("muon", "adamw"), runs=lambda scale, lrs: [], table=_steps_table,
+          plots=(("steps-gap", "steps"),), cells=_steps_cells),
 )}
 """Suite name -> :class:`Suite`."""
 

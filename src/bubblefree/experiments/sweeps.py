@@ -4,6 +4,12 @@ Both follow one protocol. A grid of consecutive values runs at seed 0 and full l
 the highest (lowest) tried, the next value past it runs, up to ``Scale.lr_extend`` values beyond the grid; the
 best value's run is then a seed of the comparison itself (same config, same run id), so a sweep costs only its
 other points. A table marks a best value still at the end of what was tried ("grid edge").
+
+A suite with *cells* (``steps``) tunes every arm, not only the synchronous one, and keeps choosing and reporting
+apart: each cell (an arm at a point of the suite's axis) sweeps its own rate on the same grid at the choice
+seed (``CHOICE_SEED``), choosing on the validation windows; its reported runs are seeds ``1 .. Scale.seeds``
+at that rate (and, for an asynchronous arm, at the synchronous arm's rate too), reported on the test windows
+(``train.test_split``).
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ from bubblefree.experiments.scales import Scale
 from bubblefree.experiments.tables import fmt, markdown_table
 from bubblefree.optim import OPTIMIZERS
 
-__all__ = ["ASYNC", "EF", "SYNC", "Knob", "choose_lrs", "knob_best_runs", "knob_extension", "knob_points", "knob_runs",
+__all__ = ["ASYNC", "CHOICE_SEED", "EF", "SYNC", "Cell", "Knob", "cell_best", "cell_extension", "cell_report_runs",
+           "cell_sweep_runs", "cell_sweep_table", "choose_lrs", "knob_best_runs", "knob_extension", "knob_points", "knob_runs",
            "knob_sweep_runs", "seed_runs", "sweep_extension", "sweep_runs", "sweep_table"]
 
 Rows = list[dict[str, Any]]
@@ -196,3 +203,94 @@ def knob_best_runs(scale: Scale, lrs: dict[str, float], knobs: tuple[Knob, ...],
                 best = min(tried, key=lambda v: (tried[v], v))
                 out += knob_runs(scale, opt, lr, knob, best, "best", seeds=True)
     return out
+
+
+# ---------------------------------------------------------------------------------------------- tuned cells
+
+CHOICE_SEED = 0
+"""The seed whose runs choose a cell's rate; the reported seeds are the ones after it."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cell:
+    """One arm (``variant``: sync, async, ef) at one point ``x`` of a tuned suite's axis, with its own rate sweep."""
+
+    variant: str
+    x: float
+    overrides: dict[str, Any]
+    """The arm's schedule and correction plus the point's keys (batch, steps, ...)."""
+
+
+def _cell_run(scale: Scale, optimizer: str, cell: Cell, lr: float, seed: int, role: str) -> Run:
+    config = apply_overrides(scale.base, {"optim.name": optimizer, "optim.lr": lr, "train.seed": seed,
+                                          **cell.overrides})
+    return Run(config=config, variant=cell.variant, x=cell.x, tags={"role": role, "lr": lr})
+
+
+def cell_sweep_runs(scale: Scale, optimizers: tuple[str, ...], cells: list[Cell]) -> list[Run]:
+    """Every cell's rate grid (the synchronous sweep's grid) at the choice seed."""
+    return [_cell_run(scale, opt, cell, lr, CHOICE_SEED, "sweep") for cell in cells for opt in optimizers
+            for lr in _lr_grid(scale, opt)]
+
+
+def _cell_points(rows: Rows) -> dict[tuple[str, str, float], dict[float, float]]:
+    """``{(optimizer, variant, x): {lr: final val loss}}`` of the sweep rows (a diverged run is ``inf``)."""
+    out: dict[tuple[str, str, float], dict[float, float]] = {}
+    for r in rows:
+        if r.get("role") == "sweep":
+            loss = math.inf if r["final_val_loss"] is None else r["final_val_loss"]
+            out.setdefault((r["optimizer"], r["variant"], r["x"]), {})[r["lr"]] = loss
+    return out
+
+
+def cell_best(rows: Rows) -> dict[tuple[str, str, float], float]:
+    """``{(optimizer, variant, x): the rate of the lowest validation loss at the choice seed}``."""
+    return {key: min(tried, key=lambda lr: (tried[lr], lr)) for key, tried in _cell_points(rows).items()}
+
+
+def cell_extension(scale: Scale, optimizers: tuple[str, ...], cells: list[Cell], rows: Rows) -> list[Run]:
+    """The next sweep point of every cell whose best rate is the highest (lowest) it tried (``sweep_extension``)."""
+    points, out = _cell_points(rows), []
+    for cell in cells:
+        for opt in optimizers:
+            tried = points.get((opt, cell.variant, cell.x), {})
+            if len(tried) < 2:
+                continue
+            best = min(tried, key=lambda lr: (tried[lr], lr))
+            if best not in (min(tried), max(tried)):
+                continue
+            grid = _lr_grid(scale, opt, extended=True)
+            beyond = [lr for lr in grid if lr > best] if best == max(tried) else [lr for lr in grid if lr < best][::-1]
+            if beyond:
+                out.append(_cell_run(scale, opt, cell, beyond[0], CHOICE_SEED, "sweep"))
+    return out
+
+
+def cell_report_runs(scale: Scale, optimizers: tuple[str, ...], cells: list[Cell], rows: Rows) -> list[Run]:
+    """The reported seeds (``1 .. scale.seeds``) of every cell whose sweep has a result: at its own best rate
+    (role ``best``), and for an asynchronous arm also at the synchronous arm's best rate of the same point
+    (role ``sync-lr``) when the two differ. Ordered so each point's own-rate runs come first."""
+    best, seeds = cell_best(rows), range(CHOICE_SEED + 1, CHOICE_SEED + 1 + scale.seeds)
+    own, at_sync = [], []
+    for cell in cells:
+        for opt in optimizers:
+            lr = best.get((opt, cell.variant, cell.x))
+            if lr is None:
+                continue
+            own += [_cell_run(scale, opt, cell, lr, s, "best") for s in seeds]
+            sync_lr = best.get((opt, "sync", cell.x))
+            if cell.variant != "sync" and sync_lr is not None and sync_lr != lr:
+                at_sync += [_cell_run(scale, opt, cell, sync_lr, s, "sync-lr") for s in seeds]
+    return own + at_sync
+
+
+def cell_sweep_table(rows: Rows) -> str:
+    """Every cell's sweep: validation loss per rate at the choice seed, the chosen one in bold."""
+    out = []
+    for (opt, variant, x), tried in _cell_points(rows).items():
+        best = min(tried, key=lambda lr: (tried[lr], lr))
+        cells = [f"lr {lr:g}: " + (f"**{fmt(loss)}**" if lr == best else fmt(loss)) for lr, loss in sorted(tried.items())]
+        edge = " (grid edge)" if len(tried) > 1 and best in (min(tried), max(tried)) else ""
+        out.append([opt, f"{x:g}", variant, f"{best:g}{edge}", "; ".join(cells)])
+    return markdown_table(["optimizer", "point", "arm", "chosen lr", f"final val loss per lr (seed {CHOICE_SEED})"],
+                          out)

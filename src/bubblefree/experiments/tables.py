@@ -7,6 +7,11 @@ Definitions used in every table (all on the final validation loss, nats/token):
   runs that differ only in their seed show, so a gap below it is not an effect;
 - *gap recovered* by a correction = ``(async - corrected) / (async - sync)`` (the paper's Table 2 measure;
   100 % closes the gap, 0 % does nothing, negative makes it worse).
+
+Intervals (:func:`paired_interval`, :func:`share_interval`): runs of two arms with the same seed share their
+initialisation and data order, so a gap is the mean of the per-seed differences, with a two-sided 95 %
+Student-t interval over seeds (``n - 1`` degrees of freedom); a share (ratio of two such means) gets a 95 %
+percentile bootstrap over seeds. :func:`verdict` reads an interval: "indistinguishable" only when it holds 0.
 """
 
 from __future__ import annotations
@@ -17,8 +22,9 @@ import statistics
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-__all__ = ["PAPER_360M", "PAPER_MOE", "fmt", "fmt_mean", "fmt_pct", "gap_recovered", "losses", "markdown_table",
-           "mean", "noise_floor", "tokens_per_param"]
+__all__ = ["PAPER_360M", "PAPER_MOE", "T975", "fmt", "fmt_interval", "fmt_mean", "fmt_pct", "gap_recovered",
+           "losses", "markdown_table", "mean", "noise_floor", "paired", "paired_interval", "share_interval",
+           "tokens_per_param", "verdict"]
 
 # arXiv 2606.30634 as secondary sources quote it (docs/spec.md section 8): 360M models on FineWeb-Edu.
 # (sync, async with delay 1, async + EF); None where no number is reported.
@@ -30,6 +36,68 @@ PAPER_360M: dict[str, tuple[float | None, float | None, float | None]] = {
 }
 PAPER_MOE = (1.906, 1.911, 1.906)
 """The paper's 10B MoE on 200B tokens: sync, async, async + EF (docs/spec.md section 8)."""
+
+
+T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
+        2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045,
+        2.042)
+"""The 0.975 quantile of Student's t with 1, 2, ..., 30 degrees of freedom (beyond 30: 1.96 understates the
+interval by under 4 %, and no table here has that many seeds). tests/test_tables.py integrates the density."""
+
+
+def paired(a: dict[int, float], b: dict[int, float]) -> list[float]:
+    """``a[s] - b[s]`` for every seed ``s`` both have (``{seed: loss}``), in seed order."""
+    return [a[s] - b[s] for s in sorted(a.keys() & b.keys())]
+
+
+def paired_interval(diffs: Sequence[float]) -> tuple[float, float, float]:
+    """``(mean, low, high)``: the mean of paired differences with its two-sided 95 % t interval; the interval
+    is NaN with fewer than two differences (or a diverged run among them)."""
+    m = mean(diffs)
+    if len(diffs) < 2 or not all(math.isfinite(d) for d in diffs):
+        return m, math.nan, math.nan
+    half = T975[min(len(diffs) - 1, len(T975)) - 1] * statistics.stdev(diffs) / math.sqrt(len(diffs))
+    return m, m - half, m + half
+
+
+def share_interval(sync: dict[int, float], delayed: dict[int, float], corrected: dict[int, float], *,
+                   resamples: int = 10_000, seed: int = 0) -> tuple[float, float, float]:
+    """``(share, low, high)``: the gap recovered, ``mean(delayed - corrected) / mean(delayed - sync)`` over the
+    seeds all three have, with a 95 % percentile bootstrap that resamples seeds (a resample whose gap is not
+    positive counts as an undefined share, which widens the interval to NaN when over 2.5 % of them are)."""
+    seeds = sorted(sync.keys() & delayed.keys() & corrected.keys())
+    gap = [delayed[s] - sync[s] for s in seeds]
+    won = [delayed[s] - corrected[s] for s in seeds]
+    share = gap_recovered(0.0, mean(gap), mean(gap) - mean(won)) if seeds else math.nan
+    if len(seeds) < 2 or not math.isfinite(share):
+        return share, math.nan, math.nan
+    import numpy as np
+
+    idx = np.random.default_rng(seed).integers(0, len(seeds), size=(resamples, len(seeds)))
+    g, w = np.asarray(gap)[idx].mean(axis=1), np.asarray(won)[idx].mean(axis=1)
+    shares = np.where(g > 0, w / np.where(g > 0, g, 1.0), np.nan)
+    if np.isnan(shares).mean() > 0.025:
+        return share, math.nan, math.nan
+    low, high = np.nanpercentile(shares, [2.5, 97.5])
+    return share, float(low), float(high)
+
+
+def verdict(low: float, high: float, *, than: str = "sync") -> str:
+    """What a 95 % interval of ``arm - reference`` says: worse, better, or indistinguishable (it holds 0)."""
+    if not (math.isfinite(low) and math.isfinite(high)):
+        return "-"
+    if low > 0:
+        return f"worse than {than}"
+    if high < 0:
+        return f"better than {than}"
+    return f"indistinguishable from {than} at 95 %"
+
+
+def fmt_interval(m: float, low: float, high: float, digits: int = 3) -> str:
+    """``mean [low, high]``, or the mean alone where there is no interval."""
+    if not (math.isfinite(low) and math.isfinite(high)):
+        return fmt(m, digits)
+    return f"{m:.{digits}f} [{low:.{digits}f}, {high:.{digits}f}]"
 
 
 def losses(results: Iterable[dict[str, Any]], **match: Any) -> list[float]:

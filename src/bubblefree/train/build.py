@@ -54,12 +54,22 @@ def train_microbatch(config: Config, tokens: np.ndarray, step: int, index: int,
                      batch_size=cfg.batch_size // config.pipeline.microbatches, seq_len=cfg.seq_len, device=device)
 
 
-def validation_batches(config: Config, tokens: np.ndarray,
-                       device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The ``train.eval_batches`` fixed validation batches of ``train.batch_size`` sequences."""
+def validation_batches(config: Config, tokens: np.ndarray, device: torch.device,
+                       split: str = "val") -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The ``train.eval_batches`` fixed validation batches of ``train.batch_size`` sequences; with
+    ``train.test_split`` the even windows of them (``split`` "val") or the odd ones ("test"), in batches of
+    ``train.batch_size`` (half as many batches, so a whole evaluation costs what one without the split does)."""
     cfg = config.train
-    return eval_batches(tokens, n_batches=cfg.eval_batches, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
-                        device=device)
+    if not cfg.test_split:
+        if split != "val":
+            raise ValueError(f"Invalid split: {split!r} (train.test_split is off)")
+        return eval_batches(tokens, n_batches=cfg.eval_batches, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
+                            device=device)
+    windows = eval_batches(tokens, n_batches=cfg.eval_batches * cfg.batch_size, batch_size=1, seq_len=cfg.seq_len,
+                           device="cpu")
+    chosen = windows[{"val": 0, "test": 1}[split]::2]
+    return [(torch.cat([x for x, _ in part]).to(device), torch.cat([y for _, y in part]).to(device))
+            for part in (chosen[i:i + cfg.batch_size] for i in range(0, len(chosen), cfg.batch_size))]
 
 
 def build_stage(model: nn.Module, config: Config, stage: int) -> StageModule:

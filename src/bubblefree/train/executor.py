@@ -38,8 +38,9 @@ class Executor(Protocol):
         Returns the step's statistics on the process that logs (None on the others)."""
         ...
 
-    def evaluate(self) -> float | None:
-        """Validation loss at the current weights (None on processes that do not log)."""
+    def evaluate(self, split: str = "val") -> float | None:
+        """Loss at the current weights on the validation windows (``split`` "test": the test windows of
+        ``train.test_split``); None on processes that do not log."""
         ...
 
     def state_dict(self) -> dict[str, Any]:

@@ -327,6 +327,7 @@ def _run(config: Config, out_dir: Path, resume: bool | str | Path, barrier: Setu
     plain = writer and config.log.progress and bar.disable  # no terminal (a log file, nohup): plain lines
     tokens_per_step = cfg.batch_size * cfg.seq_len
     val_loss, train_time, window_time, window_tokens, tokens_per_s = float("nan"), 0.0, 0.0, 0, 0.0
+    test_loss = float("nan")
     stop_rule = stop or _OneProcessStop()
 
     with _deferred_signals(one_process=stop is None) as signalled:
@@ -350,6 +351,8 @@ def _run(config: Config, out_dir: Path, resume: bool | str | Path, barrier: Setu
             evaluate = last or (cfg.eval_every > 0 and done % cfg.eval_every == 0)
             if evaluate:
                 val_loss = executor.evaluate()
+                if cfg.test_split:
+                    test_loss = executor.evaluate("test")
             if writer and (evaluate or done % cfg.log_every == 0):
                 tokens_per_s, window_time, window_tokens = window_tokens / window_time, 0.0, 0
                 record = {"step": done, "tokens": done * tokens_per_step, "loss": stats.loss, "lr": stats.lr,
@@ -360,6 +363,8 @@ def _run(config: Config, out_dir: Path, resume: bool | str | Path, barrier: Setu
                     record["skipped"] = skipped
                 if evaluate:
                     record["val_loss"] = val_loss
+                    if cfg.test_split:
+                        record["test_loss"] = test_loss
                     bar.write(f"step {done}/{cfg.steps}: train loss {stats.loss:.4f}, validation loss "
                               f"{val_loss:.4f}, {tokens_per_s:.0f} tokens/s")
                 elif plain:
@@ -394,6 +399,8 @@ def _run(config: Config, out_dir: Path, resume: bool | str | Path, barrier: Setu
     summary = {"steps": cfg.steps, "tokens": cfg.steps * tokens_per_step, "final_val_loss": val_loss,
                "tokens_per_s": trained * tokens_per_step / train_time if train_time else 0.0,
                "out_dir": str(out_dir), **counts}
+    if cfg.test_split:
+        summary["final_test_loss"] = test_loss
     print(f"bubblefree: done. final validation loss {val_loss:.4f}, {summary['tokens_per_s']:.0f} tokens/s; "
           f"outputs in {out_dir} (config.toml, metrics.jsonl, loss.png, checkpoints/)", flush=True)
     return summary

@@ -86,10 +86,12 @@ class SimExecutor:
                          lr=self.optimizer.param_groups[0]["lr"])
 
     @torch.no_grad()
-    def evaluate(self) -> float:
-        """Mean cross-entropy over ``train.eval_batches`` fixed validation batches at the current weights."""
+    def evaluate(self, split: str = "val") -> float:
+        """Mean cross-entropy over the fixed ``split`` batches (``build.validation_batches``) at the current
+        weights."""
         self.model.eval()
-        losses = [self._loss(x, y) for x, y in validation_batches(self.config, self.data.val, self.device)]
+        batches = validation_batches(self.config, self.data.val, self.device, split)
+        losses = [self._loss(x, y) for x, y in batches]
         return float(torch.stack(losses).mean())
 
     def state_dict(self) -> dict[str, Any]:
