@@ -584,3 +584,20 @@ def test_a_suite_run_one_optimizer_at_a_time_records_them_all(tmp_path, monkeypa
     reproduce("momentum", scale="smoke", out=tmp_path, optimizers=("muon",), progress=False, jobs=1,
               overrides=["train.steps=12"])
     assert json.loads((tmp_path / "momentum.json").read_text())["optimizers"] == ["muon"]
+
+
+def test_no_committed_result_or_doc_names_a_path_of_the_machine_that_made_it():
+    import re
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    try:
+        files = subprocess.run(["git", "ls-files", "docs", "results", "README.md"], cwd=root, capture_output=True,
+                               text=True, check=True).stdout.split()
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    absolute = re.compile(r"(?<![\w.])/(?:work|root|home|tmp|Users)/")
+    found = [f for f in files if f.endswith((".md", ".json", ".toml", ".txt"))
+             and absolute.search((root / f).read_text(encoding="utf-8", errors="replace"))]
+    assert not found, f"absolute paths in {found}: write them relative to the repository"

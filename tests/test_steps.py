@@ -48,9 +48,10 @@ def test_paired_interval_by_hand():
     m, lo, hi = paired_interval(diffs)
     half = 4.303 * statistics.stdev(diffs) / math.sqrt(3)
     assert (m, lo, hi) == pytest.approx((0.08 / 3, 0.08 / 3 - half, 0.08 / 3 + half))
-    assert verdict(lo, hi) == "indistinguishable from sync at 95 %"
-    assert verdict(0.01, 0.02) == "worse than sync" and verdict(-0.02, -0.01) == "better than sync"
-    assert math.isnan(paired_interval([0.1])[1]) and verdict(math.nan, math.nan) == "-"
+    assert verdict(lo, hi, n=3) == "indistinguishable from sync at 95 %"
+    assert verdict(0.01, 0.02, n=3) == "worse than sync" and verdict(-0.02, -0.01, n=5) == "better than sync"
+    assert verdict(0.01, 0.02, n=2) == "none (2 seeds)"  # two seeds: too few for any verdict
+    assert math.isnan(paired_interval([0.1])[1]) and verdict(math.nan, math.nan, n=3) == "-"
 
 
 def test_share_interval_is_the_ratio_of_paired_means_with_a_bootstrap_over_seeds():

@@ -189,6 +189,17 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _relative(path: str | None) -> str | None:
+    """``path`` as written in a suite's committed table: relative to the working directory when it lies below
+    it, so a results file names no folder of the machine that made it."""
+    if path is None or not os.path.isabs(path):
+        return path
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return path
+
+
 def _reproduce(args: argparse.Namespace) -> int:
     from bubblefree.experiments import reproduce
     from bubblefree.experiments.reproduce import report
@@ -199,7 +210,7 @@ def _reproduce(args: argparse.Namespace) -> int:
             raise UserError(f"Invalid options with --report: {', '.join(given + ['--set'] * bool(args.overrides))}"
                             f" (the report uses the settings the suite ran with)")
         out = args.out or f"results/{args.scale}"
-        result = report(out, args.suite, command=f"bubblefree reproduce {args.suite} --report --out {out}")
+        result = report(out, args.suite, command=f"bubblefree reproduce {args.suite} --report --out {_relative(out)}")
         print(f"bubblefree: {args.suite}: table {result['table']}; plots "
               f"{', '.join(str(p) for p in result['plots']) or 'none'} (from the runs finished so far)")
         return 0
@@ -209,7 +220,7 @@ def _reproduce(args: argparse.Namespace) -> int:
         raise UserError(f"Invalid --jobs: {args.jobs} (must be >= 1)")
     optimizers = tuple(o for o in args.optimizers.split(",") if o) if args.optimizers else None
     command = " ".join(["bubblefree reproduce", args.suite, "--scale", args.scale]
-                       + [f"--{k} {v}" for k, v in (("out", args.out), ("seeds", args.seeds),
+                       + [f"--{k} {v}" for k, v in (("out", _relative(args.out)), ("seeds", args.seeds),
                                                    ("optimizers", args.optimizers), ("jobs", args.jobs),
                                                    ("config", args.config)) if v is not None]
                        + [f"--set {text}" for text in args.overrides])

@@ -309,7 +309,7 @@ def run(out: Path | None = None, *, stages: tuple[int, ...] = (4, 8), multiples:
                                           m=pipe.microbatches))
                 sim = timeline_panel(c["timeline"])
                 panels.append(replace(sim, title=f"simulated {sim.title}", xlabel="seconds"))
-            pictures.append(str(draw_panels(panels, root / f"pipeline_P{P}.png", dpi=80)))
+            pictures.append(draw_panels(panels, root / f"pipeline_P{P}.png", dpi=80).name)  # beside the JSON
     _add_ratios(rows)
     print_table(rows)
     result = {"command": "bubblefree bench pipeline", "t_forward": t_forward, "t_backward": t_backward,
@@ -321,5 +321,6 @@ def run(out: Path | None = None, *, stages: tuple[int, ...] = (4, 8), multiples:
     if out is not None:
         root.mkdir(parents=True, exist_ok=True)
         (root / "bench_pipeline.json").write_text(json.dumps(result, indent=1) + "\n")
-        print(f"wrote {root / 'bench_pipeline.json'}" + (f", {', '.join(pictures)}" if pictures else ""))
+        print(f"wrote {root / 'bench_pipeline.json'}" + (f", {', '.join(str(root / p) for p in pictures)}"
+                                                          if pictures else ""))
     return result

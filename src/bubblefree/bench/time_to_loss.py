@@ -132,9 +132,10 @@ def run(out: Path | None = None, *, steps: int = 200, eval_every: int = 20, micr
     print(f"load average {load:.1f} before, {result['load_after']:.1f} after, on {os.cpu_count()} cpus")
     if out is not None:
         root.mkdir(parents=True, exist_ok=True)
-        result["picture"] = str(_plot(curves, target, root / "time_to_loss.png"))
+        picture = _plot(curves, target, root / "time_to_loss.png")
+        result["picture"] = picture.name  # beside the JSON: a committed result names no path of this machine
         (root / "bench_time_to_loss.json").write_text(json.dumps(result, indent=1) + "\n")
-        print(f"wrote {root / 'bench_time_to_loss.json'}, {result['picture']}")
+        print(f"wrote {root / 'bench_time_to_loss.json'}, {picture}")
     return result
 
 

@@ -62,6 +62,7 @@ from bubblefree.experiments.tables import (
     share_interval,
     tokens_per_param,
     verdict,
+    VERDICT_SEEDS,
 )
 from bubblefree.optim import OPTIMIZERS
 
@@ -232,6 +233,19 @@ def _steps_cells(scale: Scale) -> list[Cell]:
 # ---------------------------------------------------------------------------------------------- tables
 
 
+def _val_by_seed(rows: Rows, **match: Any) -> dict[int, float]:
+    """``{seed: final validation loss}`` of the rows matching ``match`` (``inf`` for a diverged run)."""
+    return {r["seed"]: math.inf if r["final_val_loss"] is None else r["final_val_loss"]
+            for r in rows if all(r.get(k) == v for k, v in match.items())}
+
+
+def _paired_cells(rows: Rows, variant: str, **match: Any) -> list[str]:
+    """``variant`` - sync over the seeds both have: the mean with its 95 % t interval, and the verdict."""
+    diffs = paired(_val_by_seed(rows, variant=variant, **match), _val_by_seed(rows, variant="sync", **match))
+    m, lo, hi = paired_interval(diffs)
+    return [fmt_interval(m, lo, hi), verdict(lo, hi, n=len(diffs))]
+
+
 def _gap_cells(rows: Rows, **match: Any) -> tuple[list[float], list[float], str, str]:
     sync, delayed = losses(rows, variant="sync", **match), losses(rows, variant="async", **match)
     return sync, delayed, fmt(mean(delayed) - mean(sync)), fmt(noise_floor(sync))
@@ -257,10 +271,24 @@ def _ef_table(rows: Rows, paper: Callable[[str], tuple] = lambda opt: PAPER_360M
         ps, pa, pe = paper(opt)
         paper_rec = fmt_pct(gap_recovered(ps, pa, pe)) if None not in (ps, pa, pe) else "-"
         out.append([opt, fmt_mean(sync), fmt_mean(delayed), fmt_mean(ef), gap, noise,
-                    fmt_pct(gap_recovered(mean(sync), mean(delayed), mean(ef))),
+                    *_paired_cells(rows, "ef", optimizer=opt),
+                    _share(*(_val_by_seed(rows, optimizer=opt, variant=v) for v in ("sync", "async", "ef"))),
                     " / ".join(fmt(v) for v in (ps, pa, pe)), paper_rec])
-    return markdown_table(["optimizer", "sync", "async", "async + EF", "gap", "noise floor", "gap recovered",
+    return markdown_table(["optimizer", "sync", "async", "async + EF", "gap", "noise floor",
+                           "EF - sync, paired [95 %]", "EF verdict", "gap recovered [95 %]",
                            "paper sync / async / EF", "paper recovered"], out)
+
+
+def _pct_interval(share: tuple[float, float, float]) -> str:
+    return f" [{fmt_pct(share[1])}, {fmt_pct(share[2])}]" if math.isfinite(share[1]) else ""
+
+
+def _share(sync: dict[int, float], delayed: dict[int, float], corrected: dict[int, float]) -> str:
+    """The gap recovered with its bootstrap interval from at least ``VERDICT_SEEDS`` seeds (two seeds give a
+    bootstrap of four resamples: no interval)."""
+    share = share_interval(sync, delayed, corrected)
+    n = len(sync.keys() & delayed.keys() & corrected.keys())
+    return fmt_pct(share[0]) + (_pct_interval(share) if n >= VERDICT_SEEDS else "")
 
 
 def _moe_table(rows: Rows) -> str:
@@ -273,8 +301,10 @@ def _momentum_table(rows: Rows) -> str:
     for opt in dict.fromkeys(r["optimizer"] for r in rows):
         for m in MOMENTA:
             sync, delayed, gap, noise = _gap_cells(rows, optimizer=opt, x=m)
-            out.append([opt, f"{m:g}", fmt_mean(sync), fmt_mean(delayed), gap, noise])
-    return markdown_table(["optimizer", "momentum", "sync", "async", "gap", "noise floor"], out)
+            out.append([opt, f"{m:g}", fmt_mean(sync), fmt_mean(delayed), gap, noise,
+                        *_paired_cells(rows, "async", optimizer=opt, x=m)])
+    return markdown_table(["optimizer", "momentum", "sync", "async", "gap", "noise floor",
+                           "async - sync, paired [95 %]", "verdict"], out)
 
 
 def _mitigations_table(rows: Rows) -> str:
@@ -328,10 +358,11 @@ def _horizon_table(rows: Rows) -> str:
             ef = losses(mine, variant="ef")
             r0 = mine[0]
             out.append([opt, str(r0["config"]["train"]["steps"]), tokens_per_param(r0), fmt_mean(sync),
-                        fmt_mean(delayed), fmt_mean(ef), gap, noise,
-                        fmt_pct(gap_recovered(mean(sync), mean(delayed), mean(ef)))])
+                        fmt_mean(delayed), fmt_mean(ef), gap, noise, *_paired_cells(mine, "ef"),
+                        _share(*(_val_by_seed(mine, variant=v) for v in ("sync", "async", "ef")))])
     return markdown_table(["optimizer", "steps", "tokens / parameter (non-embedding)", "sync", "async",
-                           "async + EF", "gap", "noise floor", "gap recovered"], out)
+                           "async + EF", "gap", "noise floor", "EF - sync, paired [95 %]", "EF verdict",
+                           "gap recovered [95 %]"], out)
 
 
 def _test_by_seed(rows: Rows, **match: Any) -> dict[int, float]:
@@ -358,20 +389,18 @@ def _steps_table(rows: Rows) -> str:
             t = first["config"]["train"]
             lr = {v: next((f"{r['lr']:g}" for r in mine if r["x"] == x and r["variant"] == v and r["role"] == "best"),
                           "-") for v in ("sync", "async", "ef")}
-            gap, ef_gap = paired_interval(paired(cell["async"], cell["sync"])), paired_interval(
-                paired(cell["ef"], cell["sync"]))
-            share = share_interval(cell["sync"], cell["async"], cell["ef"])
+            ef_diffs = paired(cell["ef"], cell["sync"])
+            gap, ef_gap = paired_interval(paired(cell["async"], cell["sync"])), paired_interval(ef_diffs)
             at_sync = [fmt_interval(*paired_interval(paired(_test_by_seed(mine, x=x, variant=v, role="sync-lr")
                                                             or cell[v], cell["sync"]))) for v in ("async", "ef")]
-            best = (paired_interval(paired(cell["ef"], at[best_x]["sync"])) if best_x is not None
-                    else (math.nan,) * 3)
+            best_diffs = paired(cell["ef"], at[best_x]["sync"]) if best_x is not None else []
+            best = paired_interval(best_diffs)
             out.append([opt, f"{t['steps']} ({t['batch_size']} x {t['seq_len']})", " / ".join(lr.values()),
                         *(fmt_mean(list(cell[v].values())) for v in ("sync", "async", "ef")),
-                        fmt_interval(*gap), fmt_interval(*ef_gap), verdict(*ef_gap[1:]),
-                        fmt_pct(share[0]) + (f" [{fmt_pct(share[1])}, {fmt_pct(share[2])}]"
-                                             if math.isfinite(share[1]) else ""),
+                        fmt_interval(*gap), fmt_interval(*ef_gap), verdict(*ef_gap[1:], n=len(ef_diffs)),
+                        _share(cell["sync"], cell["async"], cell["ef"]),
                         " / ".join(at_sync),
-                        f"{fmt_interval(*best)} (sync at {best_steps} steps): {verdict(*best[1:], than='it')}"
+                        f"{fmt_interval(*best)} (sync at {best_steps} steps): {verdict(*best[1:], n=len(best_diffs), than='it')}"
                         if best_x is not None else "-"])
     return markdown_table(["optimizer", "steps (batch)", "lr sync / 2BW / 2BW + EF", "sync", "2BW", "2BW + EF",
                            "2BW gap [95 %]", "2BW + EF gap [95 %]", "2BW + EF verdict", "EF recovered [95 %]",

@@ -24,7 +24,7 @@ from typing import Any
 
 __all__ = ["PAPER_360M", "PAPER_MOE", "T975", "fmt", "fmt_interval", "fmt_mean", "fmt_pct", "gap_recovered",
            "losses", "markdown_table", "mean", "noise_floor", "paired", "paired_interval", "share_interval",
-           "tokens_per_param", "verdict"]
+           "tokens_per_param", "verdict", "VERDICT_SEEDS"]
 
 # arXiv 2606.30634 as secondary sources quote it (docs/spec.md section 8): 360M models on FineWeb-Edu.
 # (sync, async with delay 1, async + EF); None where no number is reported.
@@ -82,8 +82,16 @@ def share_interval(sync: dict[int, float], delayed: dict[int, float], corrected:
     return share, float(low), float(high)
 
 
-def verdict(low: float, high: float, *, than: str = "sync") -> str:
-    """What a 95 % interval of ``arm - reference`` says: worse, better, or indistinguishable (it holds 0)."""
+VERDICT_SEEDS = 3
+"""Fewest paired seeds a verdict is read from: with two, the t interval is 12.7 standard errors wide, so
+"indistinguishable" would mostly say that two seeds are few."""
+
+
+def verdict(low: float, high: float, *, n: int, than: str = "sync") -> str:
+    """What a 95 % interval of ``arm - reference`` over ``n`` paired seeds says: worse, better, or
+    indistinguishable (it holds 0); no verdict from fewer than :data:`VERDICT_SEEDS` seeds."""
+    if n < VERDICT_SEEDS:
+        return f"none ({n} seed{'s' if n != 1 else ''})"
     if not (math.isfinite(low) and math.isfinite(high)):
         return "-"
     if low > 0:
