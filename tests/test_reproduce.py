@@ -54,10 +54,12 @@ def test_error_feedback_table_by_hand():
     table = SUITES["error-feedback"].table(rows)
     # sync 3.1 ± 0.1414, async 3.5 ± 0.1414, gap 0.4, noise |3.0 - 3.2| = 0.2; the diverged EF seed shows as
     # such and recovers nothing computable; the paper's AdamW row recovers 0.25 / 0.278 = 90 %.
-    assert ("| adamw | 3.100 ± 0.141 | 3.500 ± 0.141 | diverged | 0.400 | 0.200 | - | 2.612 / 2.890 / 2.640 "
-            "| 90 % |") in table
+    assert ("| adamw | 3.100 ± 0.141 | 3.500 ± 0.141 | diverged | 0.400 | 0.200 | diverged | none (2 seeds) | - "
+            "| 2.612 / 2.890 / 2.640 | 90 % |") in table
     rows[-1] = row("ef", 1, 3.4)  # EF mean 3.3: (3.5 - 3.3) / 0.4 = 50 %
-    assert "| 3.300 ± 0.141 | 0.400 | 0.200 | 50 % |" in SUITES["error-feedback"].table(rows)
+    # EF - sync per seed: 0.2 and 0.2, so the paired interval has no width; two seeds give no verdict
+    assert ("| 3.300 ± 0.141 | 0.400 | 0.200 | 0.200 [0.200, 0.200] | none (2 seeds) | 50 % |"
+            in SUITES["error-feedback"].table(rows))
 
 
 def test_choose_lrs_skips_diverged_runs():
