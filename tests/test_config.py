@@ -218,3 +218,6 @@ def test_generated_docs_are_up_to_date():
 
     for path, text in generate().items():
         assert path.read_text(encoding="utf-8") == text, f"{path} is out of date: run python -m bubblefree.docs"
+    from bubblefree.docs import stale_results
+
+    assert stale_results() == []  # every results/FOLDER/SUITE.md holds the tables of its runs' JSON

@@ -459,6 +459,14 @@ def test_docs_tables_are_rebuilt_from_the_results_json(tmp_path, monkeypatch):
     assert new == (f"Before.\n\n<!-- {part}:begin -->\n{tables(out, 'error-feedback', heading='####')}"
                    f"<!-- {part}:end -->\n\nAfter.\n")
 
+    from bubblefree.docs import stale_results
+
+    assert stale_results(tmp_path / "results") == []  # the suite's own table matches its JSON
+    (out / "error-feedback.md").write_text(written.replace("| adamw |", "| adamw (edited) |"))
+    assert stale_results(tmp_path / "results") == [
+        "out of date: results/smoke/error-feedback.md (bubblefree reproduce error-feedback --report --out "
+        "results/smoke)"]
+
     (out / "runs" / f"{min(p.stem for p in (out / 'runs').glob('*.json'))}.json").unlink()
     with pytest.raises(ValueError, match="lacks 1 run"):
         tables(out, "error-feedback")

@@ -11,7 +11,9 @@ everything outside the markers is written by hand and left as it is. The parts:
   sessions is tabulated from whatever has been committed. Only results folders kept in the repository can
   back such a part.
 
-``--check`` rewrites nothing and exits 1 when a part is out of date (a test runs the same comparison). This
+``--check`` rewrites nothing and exits 1 when a part is out of date, or when a suite's own table under
+results/ (``results/FOLDER/SUITE.md``, written by ``bubblefree reproduce SUITE --report``) no longer holds the
+tables its runs' JSON give (:func:`stale_results`; a test runs the same comparisons). This
 is a tool for a source checkout: it finds docs/ and results/ next to ``src/``.
 """
 
@@ -62,6 +64,20 @@ def generate(docs: Path = DOCS, results: Path = RESULTS) -> dict[Path, str]:
     return out
 
 
+def stale_results(results: Path = RESULTS) -> list[str]:
+    """One line per ``results/FOLDER/SUITE.md`` whose tables differ from those its runs' JSON give, saying how to
+    regenerate it."""
+    out = []
+    for record in sorted(results.glob("*/*.json")):
+        table = record.with_suffix(".md")
+        if not table.exists():
+            continue
+        if tables(record.parent, record.stem, heading="##", partial=True) not in table.read_text(encoding="utf-8"):
+            out.append(f"out of date: {table.relative_to(results.parent)} (bubblefree reproduce {record.stem} "
+                       f"--report --out {table.parent.relative_to(results.parent)})")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bubblefree.docs", description=__doc__)
     parser.add_argument("--check", action="store_true", help="only report parts that are out of date")
@@ -70,7 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         for path in stale:
             print(f"out of date: {path}", file=sys.stderr)
-        return 1 if stale else 0
+        results = stale_results()
+        for line in results:
+            print(line, file=sys.stderr)
+        return 1 if stale or results else 0
     for path, text in generate().items():
         path.write_text(text, encoding="utf-8")
     print(f"bubblefree: rewrote {len(stale)} file(s) of docs/", flush=True)
