@@ -91,6 +91,15 @@ def test_help_lists_the_commands(capsys):
     assert "train" in listed and "bench" in listed
 
 
+def test_reproduce_help_names_every_suite(capsys):
+    from bubblefree.experiments.suites import SUITES
+
+    with pytest.raises(SystemExit):
+        main(["reproduce", "--help"])
+    listed = " ".join(capsys.readouterr().out.split())  # argparse wraps the help text
+    assert [name for name in SUITES if name not in listed] == []
+
+
 def _expect_user_error(capsys, argv, fragment):
     assert main(argv) == 2
     captured = capsys.readouterr()

@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Reproduce an experiment of arXiv 2606.30634 (see docs/results.md). Finished runs are "
                     "skipped, so an interrupted suite continues where it stopped.")
     reproduce.add_argument("suite", metavar="SUITE", help="optimizers, error-feedback, momentum, mitigations, "
-                                                          "schedules, sensitivity, moe or horizon")
+                                                          "schedules, sensitivity, moe, horizon or steps")
     reproduce.add_argument("--scale", choices=("smoke", "cpu", "long", "gpu"), default="cpu",
                            help="smoke: minutes; cpu (default): 38 min for optimizers on 2 cores; long: 20 tokens "
                                 "per parameter, ~10 min per run on one core; gpu: 135M runs")
