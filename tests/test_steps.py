@@ -13,6 +13,7 @@ import pytest
 from bubblefree.config import apply_overrides, validate
 from bubblefree.data import eval_batches
 from bubblefree.experiments import SCALES, get_scale, reproduce, run_id
+from bubblefree.experiments.reproduce import report
 from bubblefree.experiments.suites import SUITES, steps_overrides
 from bubblefree.experiments.sweeps import (
     CHOICE_SEED,
@@ -140,3 +141,19 @@ def test_smoke_steps_suite_end_to_end(tmp_path):
     assert (out / "steps-gap.png").stat().st_size > 10_000
     again = reproduce("steps", scale="smoke", out=out, optimizers=("muon",), progress=False, jobs=2)
     assert [r["id"] for r in again["rows"]] == [r["id"] for r in got["rows"]]  # nothing re-ran, same choices
+
+    # Under way, as --report sees it: one point's reported runs gone, then every reported run gone.
+    for row in got["rows"]:
+        if row["x"] == 2 and row["variant"] != "sync":
+            (out / "runs" / f"{row['id']}.json").unlink()
+    (out / "steps-gap.png").unlink()
+    partial = report(out, "steps")
+    assert partial["plots"] == [out / "steps-gap.png"] and (out / "steps-gap.png").exists()
+    assert "In progress: " in (out / "steps.md").read_text()
+    for row in got["rows"]:
+        (out / "runs" / f"{row['id']}.json").unlink(missing_ok=True)
+    (out / "steps-gap.png").unlink()
+    sweep_only = report(out, "steps")
+    assert sweep_only["plots"] == [] and not (out / "steps-gap.png").exists()
+    text = (out / "steps.md").read_text()
+    assert "model `llama-1m`" in text and "| muon | 2 | ef |" in text and "Final test loss" in text

@@ -211,11 +211,12 @@ def _steps(rows: Rows, path: Path, title: str) -> None:
         return {r["seed"]: math.inf if r.get("final_test_loss") is None else r["final_test_loss"]
                 for r in mine if r["x"] == x and r["variant"] == variant and r.get("role") == "best"}
 
-    optimizers = list(dict.fromkeys(r["optimizer"] for r in rows))
+    reported = [r for r in rows if r.get("role") == "best"]
+    optimizers = list(dict.fromkeys(r["optimizer"] for r in reported))
     fig, axes = plt.subplots(2, len(optimizers), figsize=(4.4 * len(optimizers), 6.4), dpi=100, squeeze=False)
     for col, opt in enumerate(optimizers):
-        mine = [r for r in rows if r["optimizer"] == opt]
-        xs = sorted({r["x"] for r in mine})
+        mine = [r for r in reported if r["optimizer"] == opt]
+        xs = sorted({r["x"] for r in mine})  # points with a reported run (a suite under way has fewer)
         steps = [next(r for r in mine if r["x"] == x)["config"]["train"]["steps"] for x in xs]
         at = {x: {v: by_seed(mine, x, v) for v in ("sync", "async", "ef")} for x in xs}
         top, bottom = axes[0][col], axes[1][col]
@@ -233,6 +234,7 @@ def _steps(rows: Rows, path: Path, title: str) -> None:
         bottom.set_ylabel("gap recovered by EF (%)")
         for ax in (top, bottom):
             ax.set_xscale("log")
+            ax.set_xlim(min(steps) / 1.5, max(steps) * 1.5)  # also when a point has no interval yet (all NaN)
             ax.set_xlabel("optimizer steps (same tokens)")
             ax.grid(alpha=0.3)
         top.legend(fontsize=7)
@@ -245,6 +247,8 @@ def draw(rows: Rows, plots: Sequence[tuple[str, str]], out: str | Path, *, title
     ``steps``) into
     ``out/<stem>.png``."""
     paths = []
+    if not rows:  # a suite under way whose reported runs have not begun: nothing to draw yet
+        return paths
     for stem, kind in plots:
         path = Path(out) / f"{stem}.png"
         if kind == "curves":

@@ -50,12 +50,14 @@ __all__ = ["default_jobs", "report", "reproduce", "suite_tables", "tables", "wit
 
 Rows = list[dict[str, Any]]
 
-_DEFINITIONS = (
-    "Final validation loss (nats per token; at the long scale a token is a byte), mean ± sample std over seeds. "
-    "*gap* = mean(async) - mean(sync); "
-    "*noise floor* = mean |sync(seed a) - sync(seed b)| over pairs of seeds: a gap below it is not an effect; "
-    "*gap recovered* = (async - corrected) / (async - sync). Paper numbers: arXiv 2606.30634 via secondary "
-    "sources (docs/spec.md section 8), 360M models on FineWeb-Edu, so compare signs and orderings, not values.")
+def _definitions(loss: str = "validation") -> str:
+    """The notes under a suite's table; ``loss``: which windows its losses are measured on."""
+    return (
+        f"Final {loss} loss (nats per token; at the long scale a token is a byte), mean ± sample std over seeds. "
+        "*gap* = mean(async) - mean(sync); "
+        "*noise floor* = mean |sync(seed a) - sync(seed b)| over pairs of seeds: a gap below it is not an effect; "
+        "*gap recovered* = (async - corrected) / (async - sync). Paper numbers: arXiv 2606.30634 via secondary "
+        "sources (docs/spec.md section 8), 360M models on FineWeb-Edu, so compare signs and orderings, not values.")
 
 
 def default_jobs(scale: str) -> int:
@@ -207,8 +209,9 @@ def _markdown(spec, scale, sweep_rows, rows, plots, elapsed: float | None, comma
     run_time = sum(r["wall_time_s"] for r in {r["id"]: r for r in rows + sweep_rows}.values())
     commits = sorted({r["commit"] for r in rows + sweep_rows})
     # The suite's own runs, not the base run: `schedules` trains a deeper model at several depths.
-    models = ", ".join(f"`{m}`" for m in sorted({r["config"]["model"]["preset"] for r in rows}))
-    depths = ", ".join(str(p) for p in sorted({r["config"]["pipeline"]["stages"] for r in rows}))
+    # (A suite under way may have only sweep runs so far.)
+    models = ", ".join(f"`{m}`" for m in sorted({r["config"]["model"]["preset"] for r in rows or sweep_rows}))
+    depths = ", ".join(str(p) for p in sorted({r["config"]["pipeline"]["stages"] for r in rows or sweep_rows}))
     lines = [
         f"# {spec.title}", "",
         (f"Scale `{scale.name}`: model {models}, {base.train.steps} steps of {base.train.batch_size} x "
@@ -277,7 +280,8 @@ def suite_tables(spec, scale, sweep_rows: Rows, rows: Rows, *, heading: str = "#
         f"{heading} Learning-rate sweep (synchronous, seed 0, full length)", "", sweep_table(sweep_rows))
     return "\n".join([
         *sweep, "",
-        f"{heading} Results", "", *_budget(spec, scale), spec.table(rows), "", _DEFINITIONS, ""])
+        f"{heading} Results", "", *_budget(spec, scale), spec.table(rows), "",
+        _definitions("test" if spec.cells else "validation"), ""])
 
 
 class _Recorded(NamedTuple):

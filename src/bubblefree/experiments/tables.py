@@ -42,7 +42,7 @@ T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2
         2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045,
         2.042)
 """The 0.975 quantile of Student's t with 1, 2, ..., 30 degrees of freedom (beyond 30: 1.96 understates the
-interval by under 4 %, and no table here has that many seeds). tests/test_tables.py integrates the density."""
+interval by under 4 %, and no table here has that many seeds). tests/test_steps.py integrates the density."""
 
 
 def paired(a: dict[int, float], b: dict[int, float]) -> list[float]:
