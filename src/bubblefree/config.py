@@ -55,7 +55,7 @@ MODEL_PRESETS = ("llama-1m", "llama-5m", "llama-20m", "moe-20m", "smollm2-135m",
                  "moe-10b", "deep-1m", "deep-3m", "deep-30m", "moe-1m", "moe-6m", "byte-0.5m", "byte-deep-0.5m",
                  "byte-moe-0.5m")
 """The names of ``bubblefree.models.PRESETS``."""
-OPTIMIZERS = ("adamw", "muon", "lion", "adan", "mars", "soap")
+OPTIMIZERS = ("adamw", "muon", "lion", "adan", "mars", "soap", "nadamw")
 """The names of ``bubblefree.optim.OPTIMIZERS``."""
 SCHEDULES = ("sync", "gpipe", "1f1b", "2bw", "pipedream", "wpipe")
 """``bubblefree.schedules.SCHEDULES``."""
@@ -104,20 +104,24 @@ class DataConfig:
 @dataclass(kw_only=True)
 class OptimConfig:
     name: str = _key("muon", choices=OPTIMIZERS)
-    """One of adamw, muon, soap, adan, lion, mars."""
+    """One of adamw, muon, soap, adan, lion, mars, nadamw."""
 
     lr: float = _key(0.0, ge=0)
     """Peak learning rate; 0 takes the optimizer's documented default for LLM pretraining."""
 
     momentum: float = _key(-1.0, lt=1, note="negative = default")
     """The one momentum knob of every optimizer (AdamW beta1, Muon mu, SOAP beta1, Adan beta1, Lion beta2,
-    MARS beta1; docs/optimizers.md); negative takes the optimizer's default."""
+    MARS beta1, NAdamW beta1; docs/optimizers.md); negative takes the optimizer's default."""
 
     weight_decay: float = _key(0.1, ge=0)
     """Decoupled weight decay (the paper uses 0.1)."""
 
     adamw_lr: float = _key(0.0, ge=0, only_for=("muon", "mars"))
     """Learning rate of the AdamW part of Muon and MARS (embeddings, head, norms); 0 takes the default."""
+
+    momentum_decay: float = _key(0.004, ge=0, only_for=("nadamw",))
+    """NAdamW only: psi of the momentum schedule mu_t = beta1 (1 - 0.5 * 0.96^(t psi)); torch's 0.004, which
+    Ajanthan et al. keep (mu_t then reaches 0.75 beta1 only after about 4245 steps)."""
 
     max_precond_dim: int = _key(0, ge=0, only_for=("soap",))
     """SOAP only: dimensions longer than this keep the identity basis (Adam along them); 0 takes SOAP's
