@@ -188,7 +188,7 @@ def test_choices_are_the_registries():
     assert CHOICES["model.preset"] == tuple(MODEL_PRESETS)
     assert CHOICES["optim.name"] == tuple(OPTIMIZERS)
     assert CHOICES["pipeline.schedule"] == SCHEDULES
-    assert CHOICES["delay.correction"] == CORRECTIONS
+    assert CHOICES["delay.correction"] == tuple(CORRECTIONS)
     assert set(ASYNC_SCHEDULES) <= set(DISTRIBUTED_SCHEDULES) <= set(SCHEDULES)
     only_for = {f.name: f.metadata.get("only_for") for f in dataclasses.fields(OptimConfig)}
     assert set(only_for["adamw_lr"]) == {name for name, spec in OPTIMIZERS.items() if spec.route_key}

@@ -61,8 +61,8 @@ SCHEDULES = ("sync", "gpipe", "1f1b", "2bw", "pipedream", "wpipe")
 """``bubblefree.schedules.SCHEDULES``."""
 DISTRIBUTED_SCHEDULES = ("sync", "gpipe", "1f1b", "2bw", "pipedream")
 """The schedules the distributed runtime runs (``wpipe`` puts two model partitions on each device)."""
-CORRECTIONS = ("none", "ef", "taylor", "nesterov", "predict")
-"""``bubblefree.delay.CORRECTIONS``."""
+CORRECTIONS = ("none", "ef", "taylor", "nesterov", "predict", "update-ema")
+"""The names of ``bubblefree.delay.CORRECTIONS``."""
 
 
 def _key(default: Any, *, choices: tuple[str, ...] = (), gt: float | None = None, ge: float | None = None,
@@ -217,9 +217,11 @@ class PipelineConfig:
 @dataclass(kw_only=True)
 class DelayConfig:
     correction: str = _key("ef", choices=CORRECTIONS)
-    """``none``, ``ef`` (Error Feedback), ``taylor`` (DC-ASGD), ``nesterov`` (Ajanthan et al. 2025), ``predict``
-    (weight prediction: the stale gradient is taken at the weights extrapolated along their last change). The
-    rules are in docs/delay.md."""
+    """``none``, ``ef`` (Error Feedback), ``taylor`` (DC-ASGD), ``predict`` (weight prediction: the stale gradient
+    is taken at the weights extrapolated along their last change), ``update-ema`` (an outer, bias-corrected EMA
+    of the optimizer's updates), ``nesterov`` (the same EMA without bias correction, b_0 = 0: the name it was first
+    run under, kept so those runs keep their ids). Ajanthan et al.'s method is no correction: ``optim.name =
+    "nadamw"`` with ``correction = "none"``. The rules are in docs/delay.md."""
 
     ef_beta: float = _key(1.0, ge=0, le=1)
     """Error Feedback coefficient beta in [0, 1]: x_{t+1} = x_t - u_t - beta (u_t - u_{t-d}); 1 is the paper's rule."""
@@ -233,8 +235,8 @@ class DelayConfig:
     gradient (decay 0.95, the DC-ASGD paper's constants): the term then grows like |g|, not g*g."""
 
     nesterov_gamma: float = _key(0.99, ge=0, lt=1)
-    """Nesterov only: the momentum gamma in [0, 1) of Ajanthan et al. 2025 (their 0.99; a time constant of
-    1 / (1 - gamma) steps)."""
+    """``update-ema`` and ``nesterov`` only: the EMA coefficient gamma in [0, 1) (a time constant of 1 / (1 - gamma)
+    steps)."""
 
     predict_scale: float = _key(1.0, gt=0)
     """Weight prediction only: alpha > 0 in x^ = x_j + alpha d (x_j - x_{j-1}); 1 extrapolates the last change of
