@@ -363,7 +363,8 @@ def test_mitigation_defaults_are_the_runs_the_suite_made_before():
                for o, lr in lrs.items() for over in before for seed in range(max(2, sc.seeds))
                if seed < sc.seeds or over is SYNC}
         new = {run_id(r) for r in SUITES["mitigations"].runs(sc, lrs)}
-        assert old <= new and len(new - old) == 2 * 2 * sc.seeds  # + DC-ASGD-a and prediction per optimizer
+        # + DC-ASGD-a, prediction and the bias-corrected update EMA per optimizer
+        assert old <= new and len(new - old) == 3 * 2 * sc.seeds
 
 
 def test_knob_sweep_extends_past_the_end_like_the_learning_rate():
@@ -372,7 +373,7 @@ def test_knob_sweep_extends_past_the_end_like_the_learning_rate():
 
     sc = get_scale("cpu")  # lr_extend 2: up to two ladder steps past each end of a knob's grid
     knobs = {k.method: k for k in mitigation_knobs()}
-    nesterov, ef = knobs["Nesterov (Ajanthan et al.)"], knobs["Error Feedback"]
+    nesterov, ef = knobs["update EMA (b_0 = 0)"], knobs["Error Feedback"]
     lrs = {"muon": 0.01}
     runs = knob_sweep_runs(sc, lrs, (nesterov, ef))
     assert [(r.variant, r.tags["value"], r.seed) for r in runs] == [
@@ -418,7 +419,8 @@ def test_mitigations_suite_end_to_end_at_smoke_scale(tmp_path):
     # defaults lie on their grid), nothing more at one seed without extensions (smoke: lr_extend 0)
     assert len(runs) == 2 + 1 + 1 + sum(len(set(k.grid) | {k.default}) for k in knobs)
     assert all(math.isfinite(r["final_val_loss"]) for r in runs)
-    assert {r["config"]["delay"]["correction"] for r in runs} == {"none", "ef", "taylor", "nesterov", "predict"}
+    assert {r["config"]["delay"]["correction"] for r in runs} == {"none", "ef", "taylor", "nesterov", "predict",
+                                                                  "update-ema"}
     text = (out / "mitigations.md").read_text()
     assert "Tuning budget:" in text
     results = text.partition("## Results")[2]
