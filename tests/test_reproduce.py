@@ -613,3 +613,45 @@ def test_no_committed_result_or_doc_names_a_path_of_the_machine_that_made_it():
     found = [f for f in files if f.endswith((".md", ".json", ".toml", ".txt"))
              and absolute.search((root / f).read_text(encoding="utf-8", errors="replace"))]
     assert not found, f"absolute paths in {found}: write them relative to the repository"
+
+
+def test_tuned_arms_sweep_their_own_rates_and_fill_their_tables(tmp_path, monkeypatch):
+    """``Suite.arms``: Ajanthan et al.'s NAdamW (beta1 0.99, no correction) and its baselines at 2BW and PipeDream-8
+    in ``mitigations``, the retuned momenta in ``momentum``; each arm chooses its own rate (stand-in runs whose best
+    rate depends on the arm), runs its reported seed there, and the tables rebuilt from the JSON are the written ones."""
+    from bubblefree.experiments.reproduce import tables
+    from bubblefree.experiments.suites import AJANTHAN, AUTHOR_ARMS
+
+    def fake(run, work, **kw):
+        c = run.config
+        # NAdamW at beta1 0.99 is best at the lower rate of the smoke grid, everything else at the registry rate
+        best = 0.5 if (c.optim.name == "nadamw" and c.optim.momentum == 0.99) else 1.0
+        loss = (4.0 + abs(math.log2(c.optim.lr / OPTIMIZERS[c.optim.name].lr / best))
+                + 0.3 * (c.pipeline.schedule != "sync") + 0.01 * c.train.seed)
+        return _result(run, loss)
+
+    monkeypatch.setattr(runner_module, "_execute", fake)
+    result = reproduce("mitigations", scale="smoke", out=tmp_path / "m", optimizers=("adamw",), progress=False,
+                       jobs=1)
+    arms = [r for r in result["knobs"] if r["variant"] in AUTHOR_ARMS]
+    assert {(r["variant"], r["x"]) for r in arms} == {(a, x) for a in AUTHOR_ARMS for x in (2, 8)}
+    for r in arms:
+        c = r["config"]
+        assert c["pipeline"]["schedule"] == ("sync" if r["variant"].startswith("sync") else
+                                             "2bw" if r["x"] == 2 else "pipedream")
+        assert (c["pipeline"]["stages"], c["model"]["preset"]) == ((2, "llama-1m") if r["x"] == 2 else (8, "deep-1m"))
+        assert (c["optim"]["name"], c["optim"]["momentum"]) == (("nadamw", 0.99) if "NAdamW" in r["variant"] else
+                                                                ("adamw", -1.0))
+        assert c["delay"]["correction"] == ("ef" if r["variant"] == "AdamW + EF" else "none")
+    chosen = {(r["variant"], r["x"]): r["lr"] for r in arms if r["role"] == "best"}
+    assert chosen[(AJANTHAN, 8)] == float(f"{0.5 * OPTIMIZERS['nadamw'].lr:.3g}")
+    assert chosen[("AdamW + EF", 8)] == OPTIMIZERS["adamw"].lr
+    assert {r["seed"] for r in arms if r["role"] == "best"} == {1}  # chosen at seed 0, reported on the others
+    text = (tmp_path / "m" / "mitigations.md").read_text()
+    assert f"### {AJANTHAN}, as the authors ran it" in text and "| PipeDream, P = 8 | sync AdamW |" in text
+    assert tables(tmp_path / "m", "mitigations") in text
+
+    reproduce("momentum", scale="smoke", out=tmp_path / "p", optimizers=("adamw",), progress=False, jobs=1)
+    text = (tmp_path / "p" / "momentum.md").read_text()
+    assert "### Learning rate retuned at each momentum" in text and "| adamw | 0.99 |" in text
+    assert tables(tmp_path / "p", "momentum") in text
