@@ -170,6 +170,7 @@ SYNC_NADAMW = "sync NAdamW (beta1 0.99)"
 # NAdamW's beta1 (``optim.momentum``); beta2 0.999 and momentum_decay 0.004 are the registry's, torch's and theirs.
 AUTHORS_NADAMW = {"optim.momentum": 0.99}
 AUTHOR_ARMS = (AJANTHAN, SYNC_NADAMW, "sync AdamW", "AdamW + EF")
+AUTHORS_DEPTH = 8  # their regime: PipeDream at 8 stages
 
 
 def _authors_arms(scale: Scale, optimizers: tuple[str, ...]) -> list[tuple[str, Cell]]:
@@ -181,7 +182,8 @@ def _authors_arms(scale: Scale, optimizers: tuple[str, ...]) -> list[tuple[str, 
         return []
     out = []
     for x, regime in ((scale.base.pipeline.stages, {"pipeline.schedule": "2bw"}),
-                      (8, {"pipeline.schedule": "pipedream", "pipeline.stages": 8, "model.preset": scale.deep_model})):
+                      (AUTHORS_DEPTH, {"pipeline.schedule": "pipedream", "pipeline.stages": AUTHORS_DEPTH,
+                                       "model.preset": scale.deep_model})):
         sync = {**regime, **SYNC}
         out += [("nadamw", Cell(variant=AJANTHAN, x=x, overrides={**regime, "delay.correction": "none",
                                                                    **AUTHORS_NADAMW})),
@@ -401,8 +403,7 @@ def _authors_table(rows: Rows) -> str:
     out = []
     for x in dict.fromkeys(r["x"] for r in rows):
         mine = [r for r in rows if r["x"] == x]
-        schedule = next(r["config"]["pipeline"]["schedule"] for r in mine)
-        regime = f"{'2BW' if schedule == '2bw' else 'PipeDream'}, P = {x:g}"
+        regime = f"{'PipeDream' if x == AUTHORS_DEPTH else '2BW'}, P = {x:g}"
         for arm in AUTHOR_ARMS:
             got = _reported(mine, variant=arm)
             out.append([regime, arm, _lr_cell(mine, variant=arm), fmt_mean(list(got.values())),
