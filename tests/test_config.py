@@ -188,11 +188,32 @@ def test_choices_are_the_registries():
     assert CHOICES["model.preset"] == tuple(MODEL_PRESETS)
     assert CHOICES["optim.name"] == tuple(OPTIMIZERS)
     assert CHOICES["pipeline.schedule"] == SCHEDULES
-    assert CHOICES["delay.correction"] == CORRECTIONS
+    assert CHOICES["delay.correction"] == tuple(CORRECTIONS)
     assert set(ASYNC_SCHEDULES) <= set(DISTRIBUTED_SCHEDULES) <= set(SCHEDULES)
     only_for = {f.name: f.metadata.get("only_for") for f in dataclasses.fields(OptimConfig)}
     assert set(only_for["adamw_lr"]) == {name for name, spec in OPTIMIZERS.items() if spec.route_key}
     assert set(only_for["max_precond_dim"]) == {name for name, spec in OPTIMIZERS.items() if spec.cls.__name__ == "SOAP"}
+    assert set(only_for["momentum_decay"]) == {name for name, spec in OPTIMIZERS.items() if spec.cls.__name__ == "NAdamW"}
+
+
+@pytest.mark.parametrize("schedule", ["sync", "gpipe", "1f1b", "2bw", "pipedream", "wpipe"])
+def test_distributed_rules_are_the_schedule_table(schedule):
+    """``validate``'s rules for the runtime are the schedule table's: it runs the schedules with a runtime path,
+    and refuses fewer than P microbatches per replica exactly where the spec needs them."""
+    from bubblefree.config import DISTRIBUTED_SCHEDULES
+    from bubblefree.schedules import SCHEDULE_SPECS
+
+    spec = SCHEDULE_SPECS[schedule]
+    assert (schedule in DISTRIBUTED_SCHEDULES) == (spec.runtime is not None)
+    config = Config()
+    config.pipeline.schedule, config.pipeline.stages, config.train.batch_size = schedule, 4, 8
+    for m, enough in ((4, True), (2, False)):
+        config.pipeline.microbatches = m
+        if spec.runtime is None or (spec.microbatches_per_stage and not enough):
+            with pytest.raises(UserError, match="pipeline.(schedule|microbatches)"):
+                validate(config, replicas=1)
+        else:
+            validate(config, replicas=1)
 
 
 def test_every_field_is_documented_and_typed():

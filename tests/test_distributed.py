@@ -26,6 +26,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).parent))
 from distributed_worker import run, tiny_data, tiny_model, worker
 
+from bubblefree.delay import CORRECTIONS
 from bubblefree.distributed import PipelineFailure, launch_local
 from bubblefree.schedules.ir import one_f_one_b_order
 from bubblefree.config import Config
@@ -138,6 +139,18 @@ def test_every_correction_on_the_runtime_matches_simulation(tmp_path, correction
             run(sim, config, 0, config.train.steps)
         assert _weights_rel({"stages": [{"module": sims[0].model.state_dict()}]}, sims[1].model.state_dict()) \
             > 100 * RTOL
+
+
+@pytest.mark.parametrize("correction", [c for c in CORRECTIONS if c not in ("none", "ef", "taylor", "nesterov",
+                                                                            "predict")])
+def test_corrections_added_to_the_table_match_simulation_on_the_runtime(tmp_path, correction):
+    """Every other correction of ``bubblefree.delay.CORRECTIONS`` (the five above have their own cases), at 2BW
+    with a cooldown and at PipeDream with a synchronous start: a correction added to the table is covered here."""
+    for schedule, stages, sync_start, cooldown in (("2bw", 2, 0, 2), ("pipedream", 3, 1, 0)):
+        config = _config(schedule, stages, 2, steps=6, correction=correction, sync_start=sync_start,
+                         cooldown=cooldown)
+        (tmp_path / schedule).mkdir()
+        _compare(tmp_path / schedule, config, stages)
 
 
 def test_cooldown_flush_on_the_runtime_gives_the_simulation_weights(tmp_path):

@@ -109,6 +109,13 @@ CASES: dict[str, Case] = {
         shapes=MIXED, tol=1e-6,
         why="the reference's float32 operations, so the state is bit-identical (tests/test_soap.py checks it); "
             "only the write x - u rounds differently"),
+    "nadamw": Case(
+        ours=lambda ps, **kw: bo.NAdamW(ps, betas=(0.99, 0.999), momentum_decay=0.04, **HP, **kw),
+        reference=lambda ps: torch.optim.NAdam(ps, betas=(0.99, 0.999), momentum_decay=0.04,
+                                               decoupled_weight_decay=True, foreach=False, **HP),
+        shapes=MIXED, tol=1e-6,
+        why="torch's operations and its float32 mu_product; only the decay's rounding differs (momentum_decay "
+            "0.04, ten times torch's, so the momentum schedule moves within the 30 steps)"),
 }
 
 
@@ -184,6 +191,24 @@ def test_adamw_exact_in_float64():
         _, ours, _ = _trajectory(lambda ps: bo.AdamW(ps, lr=1e-2, weight_decay=0.1, **kw), MIXED, seed,
                                  dtype=torch.float64)
         assert _rel(ours, ref, x0) < 1e-12, f"seed={seed} {kw}"
+
+
+def test_nadamw_matches_torch_over_many_steps():
+    # Ajanthan et al.'s setting (beta1 0.99, beta2 0.999, torch's momentum_decay 0.004) over 300 steps, and a
+    # fast schedule (0.05: mu_t near beta1 by the end) whose every term matters. float64 is the exactness check
+    # (a 1 % change of momentum_decay moves the result by ~1e-4 there); float32 must stay within the rounding
+    # bound above, scaled to the 300 steps.
+    seed, steps = _seed(), 300
+    for psi in (4e-3, 5e-2):
+        hp = dict(lr=1e-3, betas=(0.99, 0.999), weight_decay=0.1, momentum_decay=psi)
+        make_ref = lambda ps: torch.optim.NAdam(ps, decoupled_weight_decay=True, **hp)  # noqa: E731
+        for dtype in (torch.float64, torch.float32):
+            x0, ref, ref_opt = _trajectory(make_ref, MIXED, seed, steps=steps, dtype=dtype)
+            _, ours, opt = _trajectory(lambda ps: bo.NAdamW(ps, **hp), MIXED, seed, steps=steps, dtype=dtype)
+            tol = 1e-10 if dtype == torch.float64 else 1e-6 + _decay_rounding_bound(x0, ref) * steps / STEPS
+            assert _rel(ours, ref, x0) <= tol, f"momentum_decay={psi} {dtype} seed={seed}"
+            p, q = opt.params()[0], ref_opt.param_groups[0]["params"][0]
+            assert torch.equal(opt.state[p]["mu_product"], ref_opt.state[q]["mu_product"]), "mu_product as torch's"
 
 
 def test_adamw_parameters_relative():

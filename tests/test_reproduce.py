@@ -363,7 +363,8 @@ def test_mitigation_defaults_are_the_runs_the_suite_made_before():
                for o, lr in lrs.items() for over in before for seed in range(max(2, sc.seeds))
                if seed < sc.seeds or over is SYNC}
         new = {run_id(r) for r in SUITES["mitigations"].runs(sc, lrs)}
-        assert old <= new and len(new - old) == 2 * 2 * sc.seeds  # + DC-ASGD-a and prediction per optimizer
+        # + DC-ASGD-a, prediction and the bias-corrected update EMA per optimizer
+        assert old <= new and len(new - old) == 3 * 2 * sc.seeds
 
 
 def test_knob_sweep_extends_past_the_end_like_the_learning_rate():
@@ -372,7 +373,7 @@ def test_knob_sweep_extends_past_the_end_like_the_learning_rate():
 
     sc = get_scale("cpu")  # lr_extend 2: up to two ladder steps past each end of a knob's grid
     knobs = {k.method: k for k in mitigation_knobs()}
-    nesterov, ef = knobs["Nesterov (Ajanthan et al.)"], knobs["Error Feedback"]
+    nesterov, ef = knobs["update EMA (b_0 = 0)"], knobs["Error Feedback"]
     lrs = {"muon": 0.01}
     runs = knob_sweep_runs(sc, lrs, (nesterov, ef))
     assert [(r.variant, r.tags["value"], r.seed) for r in runs] == [
@@ -418,7 +419,8 @@ def test_mitigations_suite_end_to_end_at_smoke_scale(tmp_path):
     # defaults lie on their grid), nothing more at one seed without extensions (smoke: lr_extend 0)
     assert len(runs) == 2 + 1 + 1 + sum(len(set(k.grid) | {k.default}) for k in knobs)
     assert all(math.isfinite(r["final_val_loss"]) for r in runs)
-    assert {r["config"]["delay"]["correction"] for r in runs} == {"none", "ef", "taylor", "nesterov", "predict"}
+    assert {r["config"]["delay"]["correction"] for r in runs} == {"none", "ef", "taylor", "nesterov", "predict",
+                                                                  "update-ema"}
     text = (out / "mitigations.md").read_text()
     assert "Tuning budget:" in text
     results = text.partition("## Results")[2]
@@ -611,3 +613,45 @@ def test_no_committed_result_or_doc_names_a_path_of_the_machine_that_made_it():
     found = [f for f in files if f.endswith((".md", ".json", ".toml", ".txt"))
              and absolute.search((root / f).read_text(encoding="utf-8", errors="replace"))]
     assert not found, f"absolute paths in {found}: write them relative to the repository"
+
+
+def test_tuned_arms_sweep_their_own_rates_and_fill_their_tables(tmp_path, monkeypatch):
+    """``Suite.arms``: Ajanthan et al.'s NAdamW (beta1 0.99, no correction) and its baselines at 2BW and PipeDream-8
+    in ``mitigations``, the retuned momenta in ``momentum``; each arm chooses its own rate (stand-in runs whose best
+    rate depends on the arm), runs its reported seed there, and the tables rebuilt from the JSON are the written ones."""
+    from bubblefree.experiments.reproduce import tables
+    from bubblefree.experiments.suites import AJANTHAN, AUTHOR_ARMS
+
+    def fake(run, work, **kw):
+        c = run.config
+        # NAdamW at beta1 0.99 is best at the lower rate of the smoke grid, everything else at the registry rate
+        best = 0.5 if (c.optim.name == "nadamw" and c.optim.momentum == 0.99) else 1.0
+        loss = (4.0 + abs(math.log2(c.optim.lr / OPTIMIZERS[c.optim.name].lr / best))
+                + 0.3 * (c.pipeline.schedule != "sync") + 0.01 * c.train.seed)
+        return _result(run, loss)
+
+    monkeypatch.setattr(runner_module, "_execute", fake)
+    result = reproduce("mitigations", scale="smoke", out=tmp_path / "m", optimizers=("adamw",), progress=False,
+                       jobs=1)
+    arms = [r for r in result["knobs"] if r["variant"] in AUTHOR_ARMS]
+    assert {(r["variant"], r["x"]) for r in arms} == {(a, x) for a in AUTHOR_ARMS for x in (2, 8)}
+    for r in arms:
+        c = r["config"]
+        assert c["pipeline"]["schedule"] == ("sync" if r["variant"].startswith("sync") else
+                                             "2bw" if r["x"] == 2 else "pipedream")
+        assert (c["pipeline"]["stages"], c["model"]["preset"]) == ((2, "llama-1m") if r["x"] == 2 else (8, "deep-1m"))
+        assert (c["optim"]["name"], c["optim"]["momentum"]) == (("nadamw", 0.99) if "NAdamW" in r["variant"] else
+                                                                ("adamw", -1.0))
+        assert c["delay"]["correction"] == ("ef" if r["variant"] == "AdamW + EF" else "none")
+    chosen = {(r["variant"], r["x"]): r["lr"] for r in arms if r["role"] == "best"}
+    assert chosen[(AJANTHAN, 8)] == float(f"{0.5 * OPTIMIZERS['nadamw'].lr:.3g}")
+    assert chosen[("AdamW + EF", 8)] == OPTIMIZERS["adamw"].lr
+    assert {r["seed"] for r in arms if r["role"] == "best"} == {1}  # chosen at seed 0, reported on the others
+    text = (tmp_path / "m" / "mitigations.md").read_text()
+    assert f"### {AJANTHAN}, as the authors ran it" in text and "| PipeDream, P = 8 | sync AdamW |" in text
+    assert tables(tmp_path / "m", "mitigations") in text
+
+    reproduce("momentum", scale="smoke", out=tmp_path / "p", optimizers=("adamw",), progress=False, jobs=1)
+    text = (tmp_path / "p" / "momentum.md").read_text()
+    assert "### Learning rate retuned at each momentum" in text and "| adamw | 0.99 |" in text
+    assert tables(tmp_path / "p", "momentum") in text

@@ -55,14 +55,14 @@ MODEL_PRESETS = ("llama-1m", "llama-5m", "llama-20m", "moe-20m", "smollm2-135m",
                  "moe-10b", "deep-1m", "deep-3m", "deep-30m", "moe-1m", "moe-6m", "byte-0.5m", "byte-deep-0.5m",
                  "byte-moe-0.5m")
 """The names of ``bubblefree.models.PRESETS``."""
-OPTIMIZERS = ("adamw", "muon", "lion", "adan", "mars", "soap")
+OPTIMIZERS = ("adamw", "muon", "lion", "adan", "mars", "soap", "nadamw")
 """The names of ``bubblefree.optim.OPTIMIZERS``."""
 SCHEDULES = ("sync", "gpipe", "1f1b", "2bw", "pipedream", "wpipe")
 """``bubblefree.schedules.SCHEDULES``."""
 DISTRIBUTED_SCHEDULES = ("sync", "gpipe", "1f1b", "2bw", "pipedream")
 """The schedules the distributed runtime runs (``wpipe`` puts two model partitions on each device)."""
-CORRECTIONS = ("none", "ef", "taylor", "nesterov", "predict")
-"""``bubblefree.delay.CORRECTIONS``."""
+CORRECTIONS = ("none", "ef", "taylor", "nesterov", "predict", "update-ema")
+"""The names of ``bubblefree.delay.CORRECTIONS``."""
 
 
 def _key(default: Any, *, choices: tuple[str, ...] = (), gt: float | None = None, ge: float | None = None,
@@ -104,20 +104,24 @@ class DataConfig:
 @dataclass(kw_only=True)
 class OptimConfig:
     name: str = _key("muon", choices=OPTIMIZERS)
-    """One of adamw, muon, soap, adan, lion, mars."""
+    """One of adamw, muon, soap, adan, lion, mars, nadamw."""
 
     lr: float = _key(0.0, ge=0)
     """Peak learning rate; 0 takes the optimizer's documented default for LLM pretraining."""
 
     momentum: float = _key(-1.0, lt=1, note="negative = default")
     """The one momentum knob of every optimizer (AdamW beta1, Muon mu, SOAP beta1, Adan beta1, Lion beta2,
-    MARS beta1; docs/optimizers.md); negative takes the optimizer's default."""
+    MARS beta1, NAdamW beta1; docs/optimizers.md); negative takes the optimizer's default."""
 
     weight_decay: float = _key(0.1, ge=0)
     """Decoupled weight decay (the paper uses 0.1)."""
 
     adamw_lr: float = _key(0.0, ge=0, only_for=("muon", "mars"))
     """Learning rate of the AdamW part of Muon and MARS (embeddings, head, norms); 0 takes the default."""
+
+    momentum_decay: float = _key(0.004, ge=0, only_for=("nadamw",))
+    """NAdamW only: psi of the momentum schedule mu_t = beta1 (1 - 0.5 * 0.96^(t psi)); torch's 0.004, which
+    Ajanthan et al. keep (mu_t then reaches 0.75 beta1 only after about 4245 steps)."""
 
     max_precond_dim: int = _key(0, ge=0, only_for=("soap",))
     """SOAP only: dimensions longer than this keep the identity basis (Adam along them); 0 takes SOAP's
@@ -213,9 +217,11 @@ class PipelineConfig:
 @dataclass(kw_only=True)
 class DelayConfig:
     correction: str = _key("ef", choices=CORRECTIONS)
-    """``none``, ``ef`` (Error Feedback), ``taylor`` (DC-ASGD), ``nesterov`` (Ajanthan et al. 2025), ``predict``
-    (weight prediction: the stale gradient is taken at the weights extrapolated along their last change). The
-    rules are in docs/delay.md."""
+    """``none``, ``ef`` (Error Feedback), ``taylor`` (DC-ASGD), ``predict`` (weight prediction: the stale gradient
+    is taken at the weights extrapolated along their last change), ``update-ema`` (an outer, bias-corrected EMA
+    of the optimizer's updates), ``nesterov`` (the same EMA without bias correction, b_0 = 0: the name it was first
+    run under, kept so those runs keep their ids). Ajanthan et al.'s method is no correction: ``optim.name =
+    "nadamw"`` with ``correction = "none"``. The rules are in docs/delay.md."""
 
     ef_beta: float = _key(1.0, ge=0, le=1)
     """Error Feedback coefficient beta in [0, 1]: x_{t+1} = x_t - u_t - beta (u_t - u_{t-d}); 1 is the paper's rule."""
@@ -229,8 +235,8 @@ class DelayConfig:
     gradient (decay 0.95, the DC-ASGD paper's constants): the term then grows like |g|, not g*g."""
 
     nesterov_gamma: float = _key(0.99, ge=0, lt=1)
-    """Nesterov only: the momentum gamma in [0, 1) of Ajanthan et al. 2025 (their 0.99; a time constant of
-    1 / (1 - gamma) steps)."""
+    """``update-ema`` and ``nesterov`` only: the EMA coefficient gamma in [0, 1) (a time constant of 1 / (1 - gamma)
+    steps)."""
 
     predict_scale: float = _key(1.0, gt=0)
     """Weight prediction only: alpha > 0 in x^ = x_j + alpha d (x_j - x_{j-1}); 1 extrapolates the last change of

@@ -68,6 +68,8 @@ def _pairs(device: torch.device):
         "mars": (lambda ps: OPTIMIZERS["mars"].cls(ps), lambda ps: _po("mars", ps, lr=6e-3, weight_decay=0.1),
                  "pytorch-optimizer MARS"),
         "soap": (lambda ps: OPTIMIZERS["soap"].cls(ps), lambda ps: _po("soap", ps), "pytorch-optimizer SOAP"),
+        "nadamw": (lambda ps: OPTIMIZERS["nadamw"].cls(ps), lambda ps: torch.optim.NAdam(
+            ps, lr=6e-4, weight_decay=0.1, decoupled_weight_decay=True, foreach=True), "torch NAdam decoupled foreach"),
     }
 
 

@@ -1,6 +1,9 @@
-"""Delayed-gradient training: weight stash, Error Feedback, Taylor, Nesterov, weight prediction, synchronous start / cooldown."""
+"""Delayed-gradient training: the weight stash, the table of corrections (none, Error Feedback, Taylor, weight
+prediction, update EMA), synchronous start / cooldown."""
 
-from bubblefree.delay.delayed import CORRECTIONS, DelayedOptimizer, build_delayed
+from bubblefree.delay.correction import Correction
+from bubblefree.delay.corrections import CORRECTIONS
+from bubblefree.delay.delayed import DelayedOptimizer, build_delayed
 from bubblefree.schedules.delays import parameter_delays
 
-__all__ = ["CORRECTIONS", "DelayedOptimizer", "build_delayed", "parameter_delays"]
+__all__ = ["CORRECTIONS", "Correction", "DelayedOptimizer", "build_delayed", "parameter_delays"]

@@ -39,13 +39,13 @@ from bubblefree.distributed.stock import StockSchedules
 from bubblefree.distributed.trace import Tracer
 from bubblefree.errors import UserError
 from bubblefree.optim import build_optimizer
-from bubblefree.schedules import stage_delays
+from bubblefree.schedules import SCHEDULE_SPECS, get_schedule, stage_delays
 from bubblefree.train.build import autocast_for, build_stage, resolve_device
 from bubblefree.train.executor import StepStats
 
 __all__ = ["ASYNC_SCHEDULES", "DistributedExecutor"]
 
-ASYNC_SCHEDULES = ("2bw", "pipedream")
+ASYNC_SCHEDULES = tuple(name for name, spec in SCHEDULE_SPECS.items() if spec.runtime == "async")
 """The schedules whose asynchronous steps run the persistent loop (the others run the stock schedules)."""
 
 
@@ -87,7 +87,7 @@ class DistributedExecutor:
             p2p=p2p, tracer=Tracer(trace, rank=self.mesh.rank, replica=self.mesh.replica, stage=self.mesh.stage),
             relay=StepRelay(self.mesh, p2p, pipe.microbatches), autocast=autocast_for(config.train.dtype,
                                                                                         self.mesh.device),
-            units_per_step=local_m if pipe.schedule == "2bw" else 1)
+            units_per_step=local_m if get_schedule(pipe.schedule).unit == "microbatch" else 1)
         self.stage, self.module = self.rank.stage, module
         self._async, self._stock = AsyncLoop(self.rank), StockSchedules(self.rank)
 
@@ -98,7 +98,7 @@ class DistributedExecutor:
 
     def train_step(self, step: int, lr_scale: float) -> StepStats | None:
         maybe_fault(self.mesh.rank, when=step)
-        if self.stage.delayed.is_async(step) and self.config.pipeline.schedule in ASYNC_SCHEDULES:
+        if self.stage.delayed.is_async(step) and get_schedule(self.config.pipeline.schedule).runtime == "async":
             self._async.step(step, lr_scale)
         else:
             self._async.drain()

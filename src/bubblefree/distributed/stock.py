@@ -16,6 +16,7 @@ import torch
 
 from bubblefree.distributed.rank import Rank
 from bubblefree.models import token_loss
+from bubblefree.schedules import get_schedule
 
 __all__ = ["StockSchedules"]
 
@@ -33,9 +34,10 @@ class StockSchedules:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
         rank, n, schedule = self.rank, self.rank.local_m, self.rank.config.pipeline.schedule
+        gpipe = get_schedule(schedule).runtime == "gpipe"
         pstage = PipelineStage(rank.module, rank.mesh.stage, rank.P, rank.device, group=rank.mesh.pp_group)
-        cls = Schedule1F1B if schedule != "gpipe" and n >= rank.P else ScheduleGPipe
-        if cls is ScheduleGPipe and schedule != "gpipe" and rank.mesh.rank == 0:
+        cls = Schedule1F1B if not gpipe and n >= rank.P else ScheduleGPipe
+        if cls is ScheduleGPipe and not gpipe and rank.mesh.rank == 0:
             print(f"bubblefree: the synchronous steps of pipeline.schedule={schedule} run torch's GPipe: 1F1B needs "
                   f"at least P = {rank.P} microbatches per step and replica, and there are {n}", flush=True)
         loss_fn = lambda out, y: token_loss(out, y) / rank.m

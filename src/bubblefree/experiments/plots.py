@@ -113,7 +113,7 @@ def _gaps(rows: Rows, path: Path, title: str, xlabel: str) -> None:
 def _recovered(rows: Rows, path: Path, title: str) -> None:
     """Per optimizer, each method's gap recovered at its untuned default and at its best setting (mean over
     seeds, the setting in brackets), the noise floor as a share of the gap as a grey band around 0 and 100 %.
-    Bars past the left edge are cut there and keep their value in the label (an untuned Nesterov reached
+    Bars past the left edge are cut there and keep their value in the label (an untuned update EMA reached
     -1022 % at cpu scale)."""
     import matplotlib
 

@@ -176,14 +176,18 @@ def _budget(spec, scale) -> list[str]:
                  f"windows (`train.test_split`), so no reported run chose anything. Gaps are means of paired "
                  f"per-seed differences with a 95 % t interval; EF's share has a 95 % bootstrap interval over "
                  f"seeds."), ""]
+    arms = ([f"The tuned arms below the main table each sweep their own rate on the synchronous sweep's grid around "
+             f"their optimizer's default (seed {CHOICE_SEED}, extended past an end while the best sits there, up to "
+             f"{scale.lr_extend} beyond each end); their losses are the other seeds ({scale.seeds}) at the chosen "
+             f"rate, on the validation windows.", ""] if spec.arms else [])
     if not spec.knobs:
-        return []
+        return arms
     n = len(spec.knobs[0].grid)
     return [(f"Tuning budget: each method's own setting gets the learning rate's protocol: {n} grid points at "
              f"seed 0 and full length, at the optimizer's chosen rate, extended one ladder step at a time past an "
              f"end while the best sits there (up to {scale.lr_extend} beyond each end, as the rate's sweep); the "
              f"best point and the untuned default then run every seed ({scale.seeds}). The best is chosen on seed 0, "
-             f"which its mean includes, so it is optimistic by up to the noise floor."), ""]
+             f"which its mean includes, so it is optimistic by up to the noise floor."), "", *arms]
 
 
 def with_base_overrides(sc: Scale, config_file: str | Path | None,
@@ -237,21 +241,13 @@ def _gather(spec, scale, optimizers: tuple[str, ...], execute: Callable[[list[Ru
     """The suite's runs in order: the synchronous sweep (``phase`` "sweep"), its extensions past an end of
     the grid while the best rate sits there ("extension"); for a suite whose methods have knobs, each
     method's own setting swept at the chosen rate ("knobs") and extended the same way ("extension"); then
-    the suite's runs at the chosen rates and best settings ("suite"). ``execute(runs, phase)`` returns their
+    the suite's runs at the chosen rates and best settings ("suite"); last, for a suite with tuned arms, each
+    arm's own rate sweep and reported seeds ("cells", :func:`_tune`). ``execute(runs, phase)`` returns their
     records; ``rates_chosen(rates)`` is called once the sweep is done. Returns ``(sweep rows, rates, suite rows,
-    knob rows)``."""
+    knob and arm rows)``."""
     if spec.cells:  # every arm tuned on its own, one point after the other so each point's table fills in
-        cells, sweep_rows, rows = spec.cells(scale), [], []
         lrs = {o: OPTIMIZERS[o].lr for o in optimizers}  # the centre of every cell's grid
-        for x in dict.fromkeys(cell.x for cell in cells):
-            point = [cell for cell in cells if cell.x == x]
-            swept = execute(cell_sweep_runs(scale, optimizers, point), "cells")
-            while (extension := cell_extension(scale, optimizers, point, swept)) and (
-                    new := execute(extension, "extension")):
-                swept += new
-            sweep_rows += swept
-            rates_chosen(lrs)
-            rows += execute(cell_report_runs(scale, optimizers, point, swept), "cells")
+        sweep_rows, rows = _tune(scale, optimizers, spec.cells(scale), execute, lambda: rates_chosen(lrs))
         return sweep_rows, lrs, rows, []
     sweep_rows = execute(sweep_runs(scale, optimizers), "sweep")
     # A best rate at an end: try past it. (An extension that yields no rows, one still to run when the tables
@@ -268,7 +264,31 @@ def _gather(spec, scale, optimizers: tuple[str, ...], execute: Callable[[list[Ru
                 new := execute(extension, "extension")):
             knob_rows += new
         runs += knob_best_runs(scale, lrs, spec.knobs, knob_rows)
-    return sweep_rows, lrs, execute(runs, "suite"), knob_rows
+    rows = execute(runs, "suite")
+    if spec.arms:  # the tuned arms: each optimizer's cells on their own rate sweeps, after the suite's runs
+        arms = spec.arms(scale, optimizers)
+        for opt in dict.fromkeys(o for o, _ in arms):
+            swept, reported = _tune(scale, (opt,), [cell for o, cell in arms if o == opt], execute)
+            knob_rows += swept + reported
+    return sweep_rows, lrs, rows, knob_rows
+
+
+def _tune(scale, optimizers: tuple[str, ...], cells: list, execute: Callable[[list[Run], str], Rows],
+          point_done: Callable[[], None] = lambda: None) -> tuple[Rows, Rows]:
+    """Tune ``cells`` one point ``x`` after the other: every cell's rate sweep at the choice seed, extended past
+    an end while the best sits there, then its reported seeds at the chosen rate (``point_done`` is called in
+    between). Returns ``(sweep rows, reported rows)``."""
+    sweep_rows, rows = [], []
+    for x in dict.fromkeys(cell.x for cell in cells):
+        point = [cell for cell in cells if cell.x == x]
+        swept = execute(cell_sweep_runs(scale, optimizers, point), "cells")
+        while (extension := cell_extension(scale, optimizers, point, swept)) and (
+                new := execute(extension, "extension")):
+            swept += new
+        sweep_rows += swept
+        point_done()
+        rows += execute(cell_report_runs(scale, optimizers, point, swept), "cells")
+    return sweep_rows, rows
 
 
 def suite_tables(spec, scale, sweep_rows: Rows, rows: Rows, *, heading: str = "##") -> str:

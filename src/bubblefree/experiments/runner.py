@@ -83,7 +83,8 @@ NEUTRAL: dict[str, Any] = {
     "delay.taylor_adaptive": False,  # DC-ASGD-a: off is the plain Taylor rule
     "delay.nesterov_gamma": 0.99,  # the value hard-coded before the key existed
     "delay.predict_scale": 1.0,  # acts only with delay.correction = predict, added with it
-    "train.test_split": False,  # off: every evaluation window is validation, as before the key existed
+    "train.test_split": False,
+    "optim.momentum_decay": 0.004,  # acts only with optim.name = nadamw, added with it  # off: every evaluation window is validation, as before the key existed
 }
 """Every config key added after :data:`_ORIGINAL_KEYS`, with its *neutral* value: the value under which a run
 computes exactly what it computed before the key existed. A key at its neutral value is left out of the id, so

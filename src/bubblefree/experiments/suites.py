@@ -9,8 +9,8 @@ at least two seeds so each gap can be printed beside its noise floor (``experime
 |---|---|---|
 | ``optimizers`` | sync, 2BW async; six optimizers | Table 1 |
 | ``error-feedback`` | sync, async, async + EF; six optimizers | Table 2 |
-| ``momentum`` | sync, async at momentum 0.8 / 0.9 / 0.95 / 0.98; AdamW, Muon | momentum ablation |
-| ``mitigations`` | sync start / cooldown, Taylor (+ adaptive), EF, Nesterov, prediction: default and tuned; AdamW, Muon | mitigations |
+| ``momentum`` | sync, async at momentum 0.8 / 0.9 / 0.95 / 0.98 / 0.99, at the synchronous rate and retuned at each momentum; AdamW, Muon | momentum ablation |
+| ``mitigations`` | sync start / cooldown, Taylor (+ adaptive), EF, update EMA (two forms), prediction: default and tuned; AdamW, Muon; Ajanthan et al.'s NAdamW (beta1 0.99) against sync NAdamW, sync AdamW and AdamW + EF, each tuned, at 2BW and PipeDream-8 | mitigations |
 | ``schedules`` | sync, 2BW, PipeDream, WPipe at the scale's depths (2 / 4 / 8 / 16, a 32-layer model); AdamW, Muon | depth |
 | ``sensitivity`` | sync, async at 0.5x / 2x batch (same tokens), 0.5x / 2x lr, wd 0 / 0.3; AdamW, Muon | ablations |
 | ``moe`` | sync, async, async + EF on a small MoE; AdamW, Muon | MoE result |
@@ -18,7 +18,8 @@ at least two seeds so each gap can be printed beside its noise floor (``experime
 | ``steps`` | sync, async, async + EF, each at its own tuned rate, the same tokens in 1x / 4x / 16x the steps; Muon, AdamW | step count |
 
 ``steps`` is the one suite that tunes every arm and keeps choosing and reporting apart (``sweeps.Cell``): its
-table gives paired differences over the reported seeds with 95 % intervals and a verdict.
+table gives paired differences over the reported seeds with 95 % intervals and a verdict. ``mitigations`` and
+``momentum`` add such tuned arms (``Suite.arms``) beside their runs at the synchronous rate.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from bubblefree.experiments.sweeps import (
     Cell,
     Knob,
     Rows,
+    cell_sweep_table,
     knob_points,
     knob_runs,
     seed_runs,
@@ -69,7 +71,7 @@ from bubblefree.optim import OPTIMIZERS
 __all__ = ["MOMENTA", "SUITES", "Suite", "get_suite", "mitigation_knobs"]
 
 ALL_OPTIMIZERS = ("adamw", "muon", "soap", "adan", "lion", "mars")  # the paper's Table 1 order
-MOMENTA = (0.8, 0.9, 0.95, 0.98)
+MOMENTA = (0.8, 0.9, 0.95, 0.98, 0.99)
 TAYLOR_LAMBDA = 0.1  # Taylor's untuned default: docs/delay.md's example value (the paper gives none we could read)
 
 
@@ -94,6 +96,12 @@ class Suite:
     """For a suite that tunes every arm: its cells, each swept on its own instead of the synchronous sweep
     (``sweeps.cell_sweep_runs``); ``runs`` is then unused."""
 
+    arms: Callable[[Scale, tuple[str, ...]], list[tuple[str, Cell]]] | None = None
+    """``arms(scale, optimizers)``: ``(optimizer, cell)`` pairs run after the suite's runs, each cell tuned on
+    its own rate sweep as a tuned suite's are (``sweeps.cell_sweep_runs``): comparisons that a rate chosen for
+    another arm would confound (the mitigations suite's Ajanthan et al. arm, the momentum suite's retuned
+    rates). ``optimizers`` are the suite's optimizers the command runs."""
+
 
 # ---------------------------------------------------------------------------------------------- run builders
 
@@ -109,6 +117,12 @@ def _sync_async_ef(*, ef: bool, extra: Callable[[Scale], dict[str, Any]] | None 
                 out += seed_runs(scale, opt, lr, "ef", {**EF, **over})
         return out
     return runs
+
+
+UPDATE_EMA_B0 = "update EMA (b_0 = 0)"
+"""An outer EMA of the optimizer's updates without bias correction (``delay.correction = "nesterov"``, the name it
+was first run under). It is not Ajanthan et al.'s method, which is :data:`AJANTHAN`."""
+EMA_LADDER = (0.5, 0.8, 0.9, 0.95, 0.99, 0.995, 0.999)
 
 
 def mitigation_knobs() -> tuple[Knob, ...]:
@@ -131,9 +145,10 @@ def mitigation_knobs() -> tuple[Knob, ...]:
              default=1.0, fixed={**ASYNC, "delay.correction": "taylor", "delay.taylor_adaptive": True}),
         Knob(method="Error Feedback", key="delay.ef_beta", ladder=(0.125, 0.25, 0.5, 0.75, 1.0), grid=(0.5, 0.75, 1.0),
              default=1.0, fixed=EF),
-        Knob(method="Nesterov (Ajanthan et al.)", key="delay.nesterov_gamma",
-             ladder=(0.5, 0.8, 0.9, 0.95, 0.99, 0.995, 0.999), grid=(0.9, 0.95, 0.99), default=0.99,
-             fixed={**ASYNC, "delay.correction": "nesterov"}),
+        Knob(method=UPDATE_EMA_B0, key="delay.nesterov_gamma", ladder=EMA_LADDER, grid=(0.9, 0.95, 0.99),
+             default=0.99, fixed={**ASYNC, "delay.correction": "nesterov"}),
+        Knob(method="update EMA (bias-corrected)", key="delay.nesterov_gamma", ladder=EMA_LADDER,
+             grid=(0.9, 0.95, 0.99), default=0.99, fixed={**ASYNC, "delay.correction": "update-ema"}),
         Knob(method="weight prediction", key="delay.predict_scale", ladder=(0.125, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0),
              grid=(0.5, 1.0, 2.0), default=1.0, fixed={**ASYNC, "delay.correction": "predict"}),
     )
@@ -148,14 +163,56 @@ def _mitigation_runs(scale: Scale, lrs: dict[str, float]) -> list[Run]:
             out += knob_runs(scale, opt, lr, knob, knob.default, "default", seeds=True)
     return out
 
-def _momentum_runs(scale: Scale, lrs: dict[str, float]) -> list[Run]:
-    """sync / async at each of ``MOMENTA``. The optimizer's own default momentum (AdamW 0.9, Muon 0.95) is left
-    unset, so those points are the base runs themselves (the ids ``error-feedback`` uses), not copies."""
-    def momentum(opt: str, m: float) -> dict[str, Any]:
-        return {} if m == OPTIMIZERS[opt].momentum else {"optim.momentum": m}
+AJANTHAN = "Ajanthan et al. (NAdamW, beta1 0.99)"
+"""Ajanthan et al. 2025 (arXiv 2505.01099) as their code runs it: NAdamW with beta1 0.99 on the stale gradients
+of weight stashing, and no correction (its look-ahead is NAdam's own)."""
+SYNC_NADAMW = "sync NAdamW (beta1 0.99)"
+# NAdamW's beta1 (``optim.momentum``); beta2 0.999 and momentum_decay 0.004 are the registry's, torch's and theirs.
+AUTHORS_NADAMW = {"optim.momentum": 0.99}
+AUTHOR_ARMS = (AJANTHAN, SYNC_NADAMW, "sync AdamW", "AdamW + EF")
+AUTHORS_DEPTH = 8  # their regime: PipeDream at 8 stages
 
+
+def _authors_arms(scale: Scale, optimizers: tuple[str, ...]) -> list[tuple[str, Cell]]:
+    """Ajanthan et al.'s method against synchronous NAdamW, synchronous AdamW (their baseline) and AdamW + EF,
+    every arm on its own rate sweep, at 2BW's one-step delay (``x`` = the base run's stages) and at their regime,
+    PipeDream with 8 stages (``x`` = 8, delays 7..0, the ``schedules`` suite's deep model). Run when AdamW, the
+    baseline, is among the optimizers."""
+    if "adamw" not in optimizers:
+        return []
+    out = []
+    for x, regime in ((scale.base.pipeline.stages, {"pipeline.schedule": "2bw"}),
+                      (AUTHORS_DEPTH, {"pipeline.schedule": "pipedream", "pipeline.stages": AUTHORS_DEPTH,
+                                       "model.preset": scale.deep_model})):
+        sync = {**regime, **SYNC}
+        out += [("nadamw", Cell(variant=AJANTHAN, x=x, overrides={**regime, "delay.correction": "none",
+                                                                   **AUTHORS_NADAMW})),
+                ("nadamw", Cell(variant=SYNC_NADAMW, x=x, overrides={**sync, **AUTHORS_NADAMW})),
+                ("adamw", Cell(variant="sync AdamW", x=x, overrides=sync)),
+                ("adamw", Cell(variant="AdamW + EF", x=x, overrides={**regime, "delay.correction": "ef"}))]
+    return out
+
+
+def _momentum(opt: str, m: float) -> dict[str, Any]:
+    """The optimizer's own default momentum (AdamW 0.9, Muon 0.95) is left unset, so those points are the base
+    runs themselves (the ids ``error-feedback`` uses), not copies."""
+    return {} if m == OPTIMIZERS[opt].momentum else {"optim.momentum": m}
+
+
+def _momentum_runs(scale: Scale, lrs: dict[str, float]) -> list[Run]:
+    """sync / async at each of ``MOMENTA``, at the rate the synchronous sweep chose at the default momentum."""
     return [run for opt, lr in lrs.items() for m in MOMENTA for variant, over in (("sync", SYNC), ("async", ASYNC))
-            for run in seed_runs(scale, opt, lr, variant, {**over, **momentum(opt, m)}, x=m)]
+            for run in seed_runs(scale, opt, lr, variant, {**over, **_momentum(opt, m)}, x=m)]
+
+
+RETUNED = ("sync (retuned)", "async (retuned)")
+
+
+def _momentum_arms(scale: Scale, optimizers: tuple[str, ...]) -> list[tuple[str, Cell]]:
+    """sync / async at each of ``MOMENTA``, each on its own rate sweep: the effective step of a momentum method
+    scales with ``1 / (1 - momentum)`` in places, so a rate fixed across momenta confounds the two."""
+    return [(opt, Cell(variant=variant, x=m, overrides={**sched, **_momentum(opt, m)}))
+            for opt in optimizers for m in MOMENTA for variant, sched in zip(RETUNED, (SYNC, ASYNC))]
 
 
 def _schedule_runs(scale: Scale, lrs: dict[str, float]) -> list[Run]:
@@ -296,7 +353,76 @@ def _moe_table(rows: Rows) -> str:
         "\n\nThe paper's MoE numbers (10B MoE, 200B tokens, Muon presumed) are in the Muon row.")
 
 
+def _tuned_rows(rows: Rows, variants: tuple[str, ...]) -> Rows:
+    """The rows of a suite's tuned arms (``Suite.arms``): their sweeps and their reported seeds."""
+    return [r for r in rows if r["variant"] in variants and "lr" in r]
+
+
+def _reported(rows: Rows, **match: Any) -> dict[int, float]:
+    """``{seed: final val loss}`` of a tuned arm's reported seeds (role ``best``)."""
+    return _val_by_seed(rows, role="best", **match)
+
+
+def _lr_cell(rows: Rows, **match: Any) -> str:
+    return next((f"{r['lr']:g}" for r in rows if r.get("role") == "best"
+                 and all(r.get(k) == v for k, v in match.items())), "-")
+
+
+def _versus(rows: Rows, arm: str, baseline: str, **match: Any) -> list[str]:
+    """``arm - baseline`` over their reported seeds: the mean with its 95 % t interval, and the verdict."""
+    diffs = paired(_reported(rows, variant=arm, **match), _reported(rows, variant=baseline, **match))
+    m, lo, hi = paired_interval(diffs)
+    return [fmt_interval(m, lo, hi), verdict(lo, hi, n=len(diffs))]
+
+
+def _retuned_momentum_table(rows: Rows) -> str:
+    rows = _tuned_rows(rows, RETUNED)
+    if not rows:
+        return ""
+    out = []
+    for opt in dict.fromkeys(r["optimizer"] for r in rows):
+        for m in MOMENTA:
+            mine = [r for r in rows if r["optimizer"] == opt and r["x"] == m]
+            out.append([opt, f"{m:g}", " / ".join(_lr_cell(mine, variant=v) for v in RETUNED),
+                        *(fmt_mean(list(_reported(mine, variant=v).values())) for v in RETUNED),
+                        *_versus(mine, RETUNED[1], RETUNED[0])])
+    return "\n".join([
+        "", "### Learning rate retuned at each momentum", "",
+        ("Each momentum's sync and async arm sweeps its own rate (seed 0, the suite's grid, extended past an "
+         "end while the best sits there); the losses are the other seeds at the chosen rate."), "",
+        markdown_table(["optimizer", "momentum", "lr sync / async", "sync", "async", "async - sync, paired [95 %]",
+                        "verdict"], out), "",
+        cell_sweep_table(rows)])
+
+
+def _authors_table(rows: Rows) -> str:
+    """Ajanthan et al.'s arm against its baselines, per regime (2BW, PipeDream-8), every arm at its own rate."""
+    rows = _tuned_rows(rows, AUTHOR_ARMS)
+    if not rows:
+        return ""
+    out = []
+    for x in dict.fromkeys(r["x"] for r in rows):
+        mine = [r for r in rows if r["x"] == x]
+        regime = f"{'PipeDream' if x == AUTHORS_DEPTH else '2BW'}, P = {x:g}"
+        for arm in AUTHOR_ARMS:
+            got = _reported(mine, variant=arm)
+            out.append([regime, arm, _lr_cell(mine, variant=arm), fmt_mean(list(got.values())),
+                        *(["", ""] if arm == "sync AdamW" else _versus(mine, arm, "sync AdamW"))])
+    return "\n".join([
+        "", f"### {AJANTHAN}, as the authors ran it", "",
+        ("NAdamW (beta1 0.99, beta2 0.999, momentum_decay 0.004: torch's default, kept as the authors keep it, "
+         "not scaled to the run length) on the stale gradients of weight stashing with no correction, against "
+         "synchronous NAdamW, synchronous AdamW (their baseline) and AdamW + EF; every arm sweeps its own rate "
+         "(seed 0) and the losses are the other seeds at the chosen rate. 2BW is the base run's one-step delay; "
+         "PipeDream, P = 8 is their regime (delays 7..0) on the deep model of the `schedules` suite."), "",
+        markdown_table(["regime", "arm", "lr", "final val loss", "arm - sync AdamW, paired [95 %]", "verdict"],
+                       out), "",
+        cell_sweep_table(rows)])
+
+
 def _momentum_table(rows: Rows) -> str:
+    retuned = _retuned_momentum_table(rows)
+    rows = [r for r in rows if r["variant"] not in RETUNED]
     out = []
     for opt in dict.fromkeys(r["optimizer"] for r in rows):
         for m in MOMENTA:
@@ -304,12 +430,14 @@ def _momentum_table(rows: Rows) -> str:
             out.append([opt, f"{m:g}", fmt_mean(sync), fmt_mean(delayed), gap, noise,
                         *_paired_cells(rows, "async", optimizer=opt, x=m)])
     return markdown_table(["optimizer", "momentum", "sync", "async", "gap", "noise floor",
-                           "async - sync, paired [95 %]", "verdict"], out)
+                           "async - sync, paired [95 %]", "verdict"], out) + retuned
 
 
 def _mitigations_table(rows: Rows) -> str:
     """Per optimizer: sync, async, then each method at its untuned default and at its best sweep point (mean
     over seeds, gap recovered), with every sweep point (seed 0) and a best value still at the ladder's end."""
+    authors = _authors_table(rows)
+    rows = [r for r in rows if r["variant"] not in AUTHOR_ARMS]
     out = []
     knobs = {k.method: k for k in mitigation_knobs()}
     for opt in dict.fromkeys(r["optimizer"] for r in rows):
@@ -334,7 +462,7 @@ def _mitigations_table(rows: Rows) -> str:
                                f"{knob.label(steps, v)}: {fmt(loss)}") for v, loss in sorted(tried.items()))
             out.append([opt, method, knob.key.removeprefix("delay."), *cells[0], *cells[1], f"{sweep}{edge}"])
     return markdown_table(["optimizer", "method", "knob", "untuned default: loss", "gap recovered",
-                           "best setting: loss", "gap recovered", "sweep (seed 0, final val loss)"], out)
+                           "best setting: loss", "gap recovered", "sweep (seed 0, final val loss)"], out) + authors
 
 
 def _schedules_table(rows: Rows) -> str:
@@ -429,11 +557,11 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
           optimizers=ALL_OPTIMIZERS, runs=_sync_async_ef(ef=True), table=_ef_table,
           plots=(("error-feedback-curves", "curves"),)),
     Suite(name="momentum", title="The sync-async gap against momentum", optimizers=("adamw", "muon"),
-          runs=_momentum_runs, table=_momentum_table, plots=(("momentum-gap", "gap"),)),
+          runs=_momentum_runs, table=_momentum_table, plots=(("momentum-gap", "gap"),), arms=_momentum_arms),
     Suite(name="mitigations", title="Mitigations of the one-step delay", optimizers=("adamw", "muon"),
           runs=_mitigation_runs, table=_mitigations_table,
           plots=(("mitigations-curves", "curves"), ("mitigations-recovered", "recovered")),
-          knobs=mitigation_knobs()),
+          knobs=mitigation_knobs(), arms=_authors_arms),
     Suite(name="schedules", title="PipeDream vs 2BW vs WPipe against pipeline depth", optimizers=("adamw", "muon"),
           runs=_schedule_runs, table=_schedules_table, plots=(("schedules-gap", "gap"),)),
     Suite(name="sensitivity", title="Batch size, learning rate and weight decay", optimizers=("adamw", "muon"),

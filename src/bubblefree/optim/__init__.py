@@ -6,6 +6,7 @@ from bubblefree.optim.base import UpdateOptimizer, apply_updates
 from bubblefree.optim.lion import Lion
 from bubblefree.optim.mars import MARS
 from bubblefree.optim.muon import Muon
+from bubblefree.optim.nadamw import NAdamW
 from bubblefree.optim.registry import OPTIMIZERS, OptimizerSpec, build_optimizer
 from bubblefree.optim.schedule import clip_stage_grads, lr_scale, set_lr_scale
 from bubblefree.optim.soap import SOAP
@@ -17,6 +18,7 @@ __all__ = [
     "Adan",
     "Lion",
     "Muon",
+    "NAdamW",
     "OptimizerSpec",
     "SOAP",
     "UpdateOptimizer",

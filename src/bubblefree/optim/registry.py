@@ -25,6 +25,7 @@ from bubblefree.optim.base import UpdateOptimizer, check_nonneg
 from bubblefree.optim.lion import Lion
 from bubblefree.optim.mars import MARS
 from bubblefree.optim.muon import Muon
+from bubblefree.optim.nadamw import NAdamW
 from bubblefree.optim.soap import SOAP
 
 __all__ = ["OPTIMIZERS", "OptimizerSpec", "build_optimizer", "is_hidden_matrix", "param_groups"]
@@ -66,6 +67,10 @@ def _torch_adamw(params, **kw):
     return torch.optim.AdamW(params, foreach=True, **kw)
 
 
+def _torch_nadamw(params, **kw):
+    return torch.optim.NAdam(params, decoupled_weight_decay=True, foreach=True, **kw)
+
+
 def _po(name: str) -> Callable[..., torch.optim.Optimizer]:
     def make(params, **kw):
         import pytorch_optimizer  # test/benchmark-only dependency
@@ -96,6 +101,8 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
                           reference=_po("MARS")),
     "soap": OptimizerSpec(cls=SOAP, lr=3e-3, betas=(0.95, 0.95), weight_decay=0.01, momentum=0.95,
                           momentum_kwargs=lambda m: {"betas": (m, 0.95)}, reference=_po("SOAP")),
+    "nadamw": OptimizerSpec(cls=NAdamW, lr=6e-4, betas=(0.9, 0.999), weight_decay=0.1, momentum=0.9,
+                            momentum_kwargs=lambda m: {"betas": (m, 0.999)}, reference=_torch_nadamw),
 }
 """The optimizers selectable as ``optim.name``."""
 
@@ -135,6 +142,8 @@ def build_optimizer(model: nn.Module, cfg) -> UpdateOptimizer:
     adamw_lr = cfg.adamw_lr if cfg.adamw_lr > 0 else spec.adamw_lr
     if spec.route_key is not None:
         kwargs.update(adamw_lr=adamw_lr, adamw_weight_decay=cfg.weight_decay)
+    if spec.cls is NAdamW:
+        kwargs.update(momentum_decay=cfg.momentum_decay)
     if spec.cls is SOAP and cfg.max_precond_dim > 0:
         kwargs.update(max_precond_dim=cfg.max_precond_dim)
     groups = param_groups(model, spec.route_key, adamw_lr=adamw_lr)

@@ -1,4 +1,5 @@
-"""The one table of gradient delays per pipeline schedule (docs/spec.md section 4).
+"""The one table of pipeline schedules (docs/spec.md section 4): :data:`SCHEDULE_SPECS`, read through
+:func:`get_schedule` by the delays below, the trainers and the distributed runtime.
 
 A schedule's *delay* at a pipeline partition is the number of optimizer steps that land on that partition
 between the forward of a batch and the update that applies its gradient (docs/spec.md): the gradient
@@ -28,34 +29,85 @@ checks every row of this table against the simulated order. For ``wpipe`` the li
 into ``2P`` consecutive pieces (``models.split.param_stages(model, 2 * P)``).
 
 ``weight_versions`` is derived from the delays (``d + 1``: the live weights plus ``d`` stashed ones), never
-tabulated twice.
+tabulated twice. Each schedule's other facts (whether it flushes, which loop of the distributed runtime runs it,
+what flows through the pipeline as one piece) are fields of its :class:`ScheduleSpec`, like torch's
+``get_schedule_class``: a name is interpreted here and nowhere else (``config`` lists the names and its
+microbatch rules, and a test checks them against this table).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-__all__ = ["SCHEDULES", "n_partitions", "parameter_delays", "stage_delays", "weight_versions"]
-
-SCHEDULES: tuple[str, ...] = ("sync", "gpipe", "1f1b", "2bw", "pipedream", "wpipe")
-"""Every value of ``pipeline.schedule``. The simulation runs them all; the distributed runtime runs all but
-``wpipe`` (``config.DISTRIBUTED_SCHEDULES``); ``bubblefree simulate`` draws those of ``schedules.ir``."""
+__all__ = ["SCHEDULES", "SCHEDULE_SPECS", "ScheduleSpec", "get_schedule", "n_partitions", "parameter_delays",
+           "stage_delays", "weight_versions"]
 
 
-def _check(schedule: str, n_stages: int) -> None:
-    if schedule not in SCHEDULES:
+@dataclass(frozen=True, kw_only=True)
+class ScheduleSpec:
+    """Everything the package knows about one value of ``pipeline.schedule``."""
+
+    delays: Callable[[int], list[int]]
+    """``delays(P)``: the delay of each model partition, in optimizer steps (``partitions * P`` entries)."""
+
+    partitions: int = 1
+    """Model partitions per device (WPipe holds two)."""
+
+    flushes: bool
+    """Synchronous: every step's microbatches finish before the update (no delay)."""
+
+    runtime: str | None
+    """How the distributed runtime runs its steps: ``"gpipe"`` (torch's stock ``ScheduleGPipe``), ``"1f1b"``
+    (stock ``Schedule1F1B``), ``"async"`` (the persistent 1F1B loop of ``distributed.async_loop`` for the
+    asynchronous steps, stock 1F1B for the synchronous phases), or None: the simulation only."""
+
+    unit: str = "microbatch"
+    """What flows through the runtime's pipeline as one piece: a ``"microbatch"``, or the replica's whole
+    ``"step"`` (PipeDream, one update per unit, so stage ``s`` is ``P-1-s`` steps stale)."""
+
+    microbatches_per_stage: bool = False
+    """Needs at least ``P`` microbatches per step and replica on the runtime (1F1B's warm-up; 2BW's two weight
+    versions)."""
+
+
+SCHEDULE_SPECS: dict[str, ScheduleSpec] = {
+    "sync": ScheduleSpec(delays=lambda P: [0] * P, flushes=True, runtime="1f1b", unit="step"),
+    "gpipe": ScheduleSpec(delays=lambda P: [0] * P, flushes=True, runtime="gpipe", unit="step"),
+    "1f1b": ScheduleSpec(delays=lambda P: [0] * P, flushes=True, runtime="1f1b", unit="step",
+                         microbatches_per_stage=True),
+    "2bw": ScheduleSpec(delays=lambda P: [1] * P, flushes=False, runtime="async", microbatches_per_stage=True),
+    "pipedream": ScheduleSpec(delays=lambda P: [P - 1 - s for s in range(P)], flushes=False, runtime="async",
+                              unit="step"),
+    "wpipe": ScheduleSpec(delays=lambda P: [1] * P + [0] * P, partitions=2, flushes=False, runtime=None),
+}
+"""Schedule name -> :class:`ScheduleSpec` (the table in the module docstring)."""
+
+SCHEDULES: tuple[str, ...] = tuple(SCHEDULE_SPECS)
+"""Every value of ``pipeline.schedule``. The simulation runs them all; the distributed runtime runs those with a
+``runtime`` (``config.DISTRIBUTED_SCHEDULES``); ``bubblefree simulate`` draws those of ``schedules.ir``."""
+
+
+def get_schedule(schedule: str) -> ScheduleSpec:
+    """The :class:`ScheduleSpec` of ``schedule``, or a ValueError naming the schedules."""
+    if schedule not in SCHEDULE_SPECS:
         raise ValueError(f"Invalid schedule: {schedule!r} (expected one of {', '.join(SCHEDULES)})")
+    return SCHEDULE_SPECS[schedule]
+
+
+def _check(schedule: str, n_stages: int) -> ScheduleSpec:
+    spec = get_schedule(schedule)
     if isinstance(n_stages, bool) or not isinstance(n_stages, int) or n_stages < 1:
         raise ValueError(f"Invalid n_stages: {n_stages!r} (must be an integer >= 1)")
+    return spec
 
 
 def n_partitions(schedule: str, n_stages: int) -> int:
     """How many consecutive pieces the model is cut into: ``2P`` for ``wpipe``, ``P`` otherwise."""
-    _check(schedule, n_stages)
-    return 2 * n_stages if schedule == "wpipe" else n_stages
+    return _check(schedule, n_stages).partitions * n_stages
 
 
 def stage_delays(schedule: str, n_stages: int) -> list[int]:
@@ -64,14 +116,7 @@ def stage_delays(schedule: str, n_stages: int) -> list[int]:
     >>> stage_delays("2bw", 3), stage_delays("pipedream", 3), stage_delays("wpipe", 2)
     ([1, 1, 1], [2, 1, 0], [1, 1, 0, 0])
     """
-    _check(schedule, n_stages)
-    if schedule == "2bw":
-        return [1] * n_stages
-    if schedule == "pipedream":
-        return [n_stages - 1 - s for s in range(n_stages)]
-    if schedule == "wpipe":
-        return [1] * n_stages + [0] * n_stages
-    return [0] * n_stages
+    return _check(schedule, n_stages).delays(n_stages)
 
 
 def weight_versions(schedule: str, n_stages: int) -> list[int]:

@@ -1,0 +1,170 @@
+"""Generic tests of the delay corrections, parametrized over the table ``bubblefree.delay.CORRECTIONS``.
+
+A correction added to the table is covered here without a new test: its trajectory against a float64 reference
+recursion (it fails until :data:`REFERENCES` has one), its checkpoint round trip through a file at every phase
+(synchronous start, asynchronous, cooldown), its memory account, its hyperparameters as config keys, and its
+distributed runtime against the simulation (tests/test_distributed.py). The last test re-runs the start of a
+committed run and gets its recorded losses bit for bit: moving the corrections into classes changed no number.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from test_delay import OPTIMIZERS, SIZES, A, RefAdamW, RefSGDM, X0, c_t, mlp, reference, run_torch, train
+
+from bubblefree.config import DelayConfig, config_from_dict
+from bubblefree.delay import CORRECTIONS, DelayedOptimizer
+from bubblefree.delay.corrections import HPARAMS
+from bubblefree.optim import AdamW
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Every correction's knob away from its default, each large enough to move the trajectory.
+KNOBS = dict(beta=0.5, lam=0.5, gamma=0.8, alpha=1.5)
+HP = dict(ef_beta=0.5, taylor_lambda=0.5, nesterov_gamma=0.8, predict_scale=1.5)
+
+
+def reference_update_ema(opt, delays, *, T, gamma, ks=0, kc=0, bias_correction=True, **_):
+    """docs/delay.md's update EMA with full histories: ``b_{t+1} = gamma b_t + (1 - gamma) u_t``,
+    ``y_{t+1} = y_t - (1 - gamma) u_t - gamma b_{t+1} / (1 - gamma^(t+1))`` (no division without bias correction)."""
+    inner = RefAdamW() if opt.startswith("adamw") else RefSGDM()
+    d = np.repeat(delays, SIZES)
+    is_async = lambda t: ks <= t < T - kc  # noqa: E731
+    start = next((t for t in range(T) if is_async(t)), None)
+    y, b, hist, out = X0.copy(), np.zeros(5), {}, []
+    for t in range(T):
+        dt = d if is_async(t) else np.zeros(5, int)
+        hist[t] = y.copy()
+        stale = np.array([hist[max(t - dt[i], start if is_async(t) else t)][i] for i in range(5)])
+        u = inner.update(A @ stale - c_t(t), y)
+        b = gamma * b + (1 - gamma) * u
+        y = y - (1 - gamma) * u - gamma * b / (1 - gamma ** (t + 1) if bias_correction else 1.0)
+        out.append(y.copy())
+    return np.array(out)
+
+
+REFERENCES = {  # name -> float64 reference(opt, delays, *, T, ks, kc, **KNOBS) written from the docs' rule
+    "none": lambda opt, delays, **kw: reference(opt, delays, "none", **kw),
+    "ef": lambda opt, delays, **kw: reference(opt, delays, "ef", **kw),
+    "taylor": lambda opt, delays, **kw: reference(opt, delays, "taylor", **kw),
+    "nesterov": lambda opt, delays, **kw: reference(opt, delays, "nesterov", **kw),
+    "predict": lambda opt, delays, **kw: reference(opt, delays, "predict", **kw),
+    "update-ema": reference_update_ema,
+}
+
+
+def _optimizers(name: str) -> list[str]:
+    """The test optimizers a correction runs with: the UpdateOptimizers, and the plain torch ones if it can."""
+    return [o for o, (_, update) in OPTIMIZERS.items() if update or not CORRECTIONS[name].needs_updates]
+
+
+@pytest.mark.parametrize("name", CORRECTIONS)
+def test_trajectory_matches_a_float64_reference(name):
+    assert name in REFERENCES, f"correction {name!r} has no float64 reference in tests/test_corrections.py"
+    for opt in _optimizers(name):
+        for delays, switches in (((2, 1), dict(ks=2, kc=3)), ((1, 1), {})):
+            got = run_torch(opt, delays, name, T=15, **switches, **KNOBS)
+            want = REFERENCES[name](opt, delays, T=15, **switches, **KNOBS)
+            np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12, err_msg=f"{name} {opt} {delays}")
+            if name != "none":  # the reference is not the plain delay's: the correction really acts
+                assert np.abs(want - reference(opt, delays, "none", T=15, **switches)).max() > 1e-3
+
+
+def test_update_ema_is_the_uncorrected_one_with_bias_correction():
+    """The bias correction makes the first steps full-sized: step 1 moves by u_1 exactly, not (1 - gamma^2) u_1."""
+    got = run_torch("sgdm-update", (0, 0), "update-ema", T=1, gamma=0.99)
+    u1 = RefSGDM().update(A @ X0 - c_t(0), X0)
+    np.testing.assert_allclose(got[0], X0 - u1, rtol=1e-12)
+    plain = reference_update_ema("sgdm-update", (0, 0), T=1, gamma=0.99, bias_correction=False)
+    np.testing.assert_allclose(plain[0], X0 - (1 - 0.99**2) * u1, rtol=1e-12)
+    np.testing.assert_allclose(run_torch("adamw-update", (2, 1), "nesterov", T=12, gamma=0.9),
+                               reference_update_ema("adamw-update", (2, 1), T=12, gamma=0.9, bias_correction=False),
+                               rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", CORRECTIONS)
+@pytest.mark.parametrize("save_at", [1, 8, 13])  # synchronous start, asynchronous, cooldown
+def test_checkpoint_round_trip(tmp_path, name, save_at):
+    kw = dict(delays=[2, 2, 1, 0], correction=name, sync_start_steps=3, sync_cooldown_steps=4, total_steps=16,
+              taylor_adaptive=True, **HP)
+    full = mlp()
+    train(full, DelayedOptimizer(AdamW(full.parameters(), lr=1e-2), **kw), 16)
+    first = mlp()
+    delayed = DelayedOptimizer(AdamW(first.parameters(), lr=1e-2), **kw)
+    train(first, delayed, save_at)
+    torch.save({"model": first.state_dict(), "opt": delayed.state_dict()}, tmp_path / "ckpt.pt")
+    train(first, delayed, 16, start=save_at)  # keeps running: the saved file must not be affected
+    ckpt = torch.load(tmp_path / "ckpt.pt")
+    resumed = mlp(seed=1)
+    resumed.load_state_dict(ckpt["model"])
+    again = DelayedOptimizer(AdamW(resumed.parameters(), lr=1e-2), **kw)
+    again.load_state_dict(ckpt["opt"])
+    train(resumed, again, 16, start=save_at)
+    for p, q, r in zip(full.parameters(), resumed.parameters(), first.parameters()):
+        assert torch.equal(p, q) and torch.equal(p, r)
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        tree = list(tree.values())
+    return [t for x in tree for t in _tensors(x)] if isinstance(tree, (list, tuple)) else []
+
+
+@pytest.mark.parametrize("name", CORRECTIONS)
+def test_memory_account_is_the_checkpointed_buffers(name):
+    """What ``memory_bytes`` reports for a correction is exactly the tensors its checkpoint holds (no buffer
+    left out of either), during the asynchronous phase and after the drain."""
+    model = mlp()
+    delayed = DelayedOptimizer(AdamW(model.parameters(), lr=1e-2), delays=2, correction=name, taylor_adaptive=True,
+                               sync_cooldown_steps=2, total_steps=8, **HP)
+    key = CORRECTIONS[name].memory_key
+    for t in range(8):
+        train(model, delayed, t + 1, start=t)
+        own = {x.data_ptr(): x for x in _tensors(delayed.corrector.state_dict())}
+        held = sum(x.numel() * x.element_size() for x in own.values())
+        memory = delayed.memory_bytes()
+        assert memory.get(key, 0) == held and sum(memory.values()) == memory["stash"] + held
+        assert (memory["stash"] > 0) == delayed.is_async()
+
+
+@pytest.mark.parametrize("name", CORRECTIONS)
+def test_hyperparameters_are_delay_config_keys(name):
+    fields = {f.name: f.default for f in dataclasses.fields(DelayConfig)}
+    assert all(fields[k] == v for k, v in CORRECTIONS[name].hparams.items())
+    assert set(HPARAMS) == set(fields) - {"correction", "sync_start_steps", "sync_cooldown_steps"}
+
+
+def _committed_run() -> dict:
+    return json.loads((ROOT / "results/long/runs/adamw-2bw2-ef-s0-2bce58397f.json").read_text())
+
+
+def test_committed_run_reproduces_its_losses(tmp_path, data_cache):
+    """The first 10 steps of a committed AdamW + EF run (2BW, byte-0.5m; the run is 60 steps, so the learning
+    rate schedule is the same) give the train and validation losses its JSON records at step 10, bit for bit."""
+    from bubblefree.train.loop import Interrupted, train as train_run
+    from bubblefree.train.metrics import read_metrics
+
+    record = _committed_run()
+    config = config_from_dict(record["config"])
+
+    class StopAt10:
+        def should_stop(self, done, signalled):
+            return done == 10
+
+        def finished(self):
+            pass
+
+    with pytest.raises(Interrupted):
+        train_run(config, out_dir=tmp_path / "run", stop=StopAt10())
+    step10 = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["step"] == 10]
+    assert [[10, step10[0]["tokens"], step10[0]["loss"]]] == record["train_curve"][:1]
+    assert [[10, step10[0]["tokens"], step10[0]["val_loss"]]] == record["val_curve"][:1]
