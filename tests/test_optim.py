@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 import bubblefree.optim as bo
-from bubblefree.optim import OPTIMIZERS, build_optimizer
+from bubblefree.optim import OPTIMIZERS, build_optimizer, resolve_defaults
 from bubblefree.config import OptimConfig
 
 
@@ -368,8 +368,25 @@ def test_registry_defaults_are_the_class_defaults(name):
         assert tuple(sig["betas"].default) == spec.betas
     if spec.route_key is not None:
         assert sig["adamw_lr"].default == spec.adamw_lr
+    assert spec.max_precond_dim == (sig["max_precond_dim"].default if "max_precond_dim" in sig else 0)
     default = {"betas": spec.betas} if spec.betas is not None else {"momentum": sig["momentum"].default}
     assert spec.momentum_kwargs(spec.momentum) == default
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_resolved_defaults_build_the_same_optimizer(name):
+    # What a run records (the resolved config) must build what the unresolved one builds, hyperparameter for
+    # hyperparameter, and resolving twice changes nothing.
+    model = TinyLM(vocab=64, dim=16)
+    cfg = OptimConfig(name=name)
+    resolved = resolve_defaults(cfg)
+    assert resolved.lr > 0 and resolved.momentum >= 0 and resolve_defaults(resolved) == resolved
+    assert (resolved.adamw_lr > 0) == (OPTIMIZERS[name].route_key is not None)
+    assert (resolved.max_precond_dim > 0) == ("max_precond_dim" in inspect.signature(OPTIMIZERS[name].cls).parameters)
+    built = [build_optimizer(model, c).param_groups for c in (cfg, resolved)]
+    strip = lambda groups: [{k: v for k, v in g.items() if k != "params"} for g in groups]
+    assert strip(built[0]) == strip(built[1])
+    assert strip(built[0])[0]["lr"] == OPTIMIZERS[name].lr
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)

@@ -453,6 +453,7 @@ def test_docs_tables_are_rebuilt_from_the_results_json(tmp_path, monkeypatch):
     docs = tmp_path / "docs"
     docs.mkdir()
     (docs / "training.md").write_text("<!-- config-reference:begin -->\n<!-- config-reference:end -->\n")
+    (docs / "optimizers.md").write_text("<!-- optimizer-defaults:begin -->\n<!-- optimizer-defaults:end -->\n")
     part = "results:smoke/error-feedback"
     (docs / "results.md").write_text(f"Before.\n\n<!-- {part}:begin -->\nstale\n<!-- {part}:end -->\n\nAfter.\n")
     new = generate(docs, tmp_path / "results")[docs / "results.md"]
@@ -509,6 +510,7 @@ def test_an_interrupted_suite_is_tabulated_from_the_runs_it_finished(tmp_path, m
     docs = tmp_path / "docs"
     docs.mkdir()
     (docs / "training.md").write_text("<!-- config-reference:begin -->\n<!-- config-reference:end -->\n")
+    (docs / "optimizers.md").write_text("<!-- optimizer-defaults:begin -->\n<!-- optimizer-defaults:end -->\n")
     (docs / "results.md").write_text("<!-- results:smoke/horizon:begin -->\n<!-- results:smoke/horizon:end -->\n")
     assert tables(out, "horizon", heading="####", partial=True) in generate(docs, tmp_path / "results")[
         docs / "results.md"]

@@ -121,7 +121,7 @@ class OptimConfig:
 
     max_precond_dim: int = _key(0, ge=0, only_for=("soap",))
     """SOAP only: dimensions longer than this keep the identity basis (Adam along them); 0 takes SOAP's
-    10000. The paper's 49152 vocabulary is never preconditioned; a small vocabulary needs a smaller value for
+    default (docs/optimizers.md). The paper's 49152 vocabulary is never preconditioned; a small vocabulary needs a smaller value for
     the same regime."""
 
 

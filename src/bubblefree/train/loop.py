@@ -14,6 +14,7 @@ weights and the optimizer as they were and the loop counts the batch in ``skippe
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import random
@@ -150,34 +151,21 @@ def _is_main_thread() -> bool:
 
 
 def resolved(config: Config, vocab_size: int) -> Config:
-    """``config`` with every "take the default" value replaced by the value the run uses: ``optim.lr = 0``,
-    ``optim.momentum < 0``, ``optim.adamw_lr = 0`` (Muon, MARS) and ``optim.max_precond_dim = 0`` (SOAP) by the
-    optimizer's defaults, ``model.vocab_size = 0`` by the tokenizer's ``vocab_size``, ``train.device`` and
-    ``train.dtype = "auto"`` by what auto picks here. It is what config.toml and checkpoints record: the
-    defaults are applied exactly as the optimizer's own defaults are, so the resolved config trains to the same
-    losses bit for bit. The Config a caller passes is not changed (run ids hash the caller's form)."""
-    import inspect
-
-    from bubblefree.optim import OPTIMIZERS
-    from bubblefree.optim.soap import SOAP
+    """``config`` with every "take the default" value replaced by the value the run uses: the optimizer's
+    (``optim.registry.resolve_defaults``, the one place they are applied), ``model.vocab_size = 0`` by the
+    tokenizer's ``vocab_size``, ``train.device`` and ``train.dtype = "auto"`` by what auto picks here. It is
+    what config.toml and checkpoints record, and it trains to the same losses bit for bit. The Config a
+    caller passes is not changed (run ids hash the caller's form)."""
+    from bubblefree.optim import resolve_defaults
     from bubblefree.train.sim import resolve_device
 
-    o = config.optim
-    spec = OPTIMIZERS[o.name]
     device = resolve_device(config.train.device).type
-    values: dict[str, Any] = {
+    return apply_overrides(dataclasses.replace(config, optim=resolve_defaults(config.optim)), {
         "model.vocab_size": config.model.vocab_size or vocab_size,
-        "optim.lr": o.lr if o.lr > 0 else spec.lr,
-        "optim.momentum": o.momentum if o.momentum >= 0 else spec.momentum,
         "train.device": device,
         "train.dtype": config.train.dtype if config.train.dtype != "auto" else
         ("bfloat16" if device == "cuda" else "float32"),
-    }
-    if spec.route_key is not None and o.adamw_lr <= 0:
-        values["optim.adamw_lr"] = spec.adamw_lr
-    if spec.cls is SOAP and o.max_precond_dim <= 0:
-        values["optim.max_precond_dim"] = inspect.signature(SOAP).parameters["max_precond_dim"].default
-    return apply_overrides(config, values)
+    })
 
 
 def check_lengths(config: Config, data: Any = None) -> None:
