@@ -71,12 +71,12 @@ def test_test_split_halves_the_same_windows_at_every_batch():
     starts = [int(row[0]) for x in whole for row in x]
     for batch, n in ((8, 4), (4, 8), (2, 16)):
         cfg = apply_overrides(base, {"train.batch_size": batch, "train.eval_batches": n, "train.test_split": True})
-        got = {split: [int(row[0]) for x, _ in validation_batches(cfg, tokens, "cpu", split) for row in x]
+        got = {split: [int(row[0]) for x, _ in validation_batches(cfg.train, tokens, "cpu", split) for row in x]
                for split in ("val", "test")}
         assert got["val"] == starts[0::2] and got["test"] == starts[1::2]
-        assert all(len(x) == batch for x, _ in validation_batches(cfg, tokens, "cpu", "test"))
+        assert all(len(x) == batch for x, _ in validation_batches(cfg.train, tokens, "cpu", "test"))
     with pytest.raises(ValueError, match="test_split"):
-        validation_batches(base, tokens, "cpu", "test")
+        validation_batches(base.train, tokens, "cpu", "test")
 
 
 @pytest.mark.parametrize("scale", list(SCALES))

@@ -81,7 +81,7 @@ class DistributedExecutor:
         trace = Path(out_dir) / "trace" / f"rank{self.mesh.rank}.jsonl" if out_dir is not None else None
         local_m = pipe.microbatches // self.mesh.replicas
         self.rank = Rank(
-            config=config, data=data, mesh=self.mesh, module=module,
+            pipeline=pipe, train=config.train, data=data, mesh=self.mesh, module=module,
             stage=StageRuntime(module, delayed, n_stages=pipe.stages, grad_clip=config.train.grad_clip,
                                dp_group=self.mesh.dp_group),
             p2p=p2p, tracer=Tracer(trace, rank=self.mesh.rank, replica=self.mesh.replica, stage=self.mesh.stage),

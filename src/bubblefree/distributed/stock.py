@@ -32,7 +32,7 @@ class StockSchedules:
         # Imported here: it costs a second or more per process, and asynchronous runs never need it.
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-        rank, n, schedule = self.rank, self.rank.local_m, self.rank.config.pipeline.schedule
+        rank, n, schedule = self.rank, self.rank.local_m, self.rank.pipeline.schedule
         pstage = PipelineStage(rank.module, rank.mesh.stage, rank.P, rank.device, group=rank.mesh.pp_group)
         cls = Schedule1F1B if schedule != "gpipe" and n >= rank.P else ScheduleGPipe
         if cls is ScheduleGPipe and schedule != "gpipe" and rank.mesh.rank == 0:

@@ -69,7 +69,7 @@ class SimExecutor:
         aux: torch.Tensor | float = 0.0  # a device tensor (for MoE models): read once, after the backward
         with self.delayed.stale_params():
             for micro in range(n_micro):
-                x, y = train_microbatch(cfg, self.data.train, step, micro, self.device)
+                x, y = train_microbatch(cfg.train, n_micro, self.data.train, step, micro, self.device)
                 loss = self._loss(x, y)
                 (loss / n_micro).backward()
                 total += loss.detach()
@@ -90,7 +90,7 @@ class SimExecutor:
         """Mean cross-entropy over the fixed ``split`` batches (``build.validation_batches``) at the current
         weights."""
         self.model.eval()
-        batches = validation_batches(self.config, self.data.val, self.device, split)
+        batches = validation_batches(self.config.train, self.data.val, self.device, split)
         losses = [self._loss(x, y) for x, y in batches]
         return float(torch.stack(losses).mean())
 
