@@ -16,7 +16,7 @@ import torch
 
 from bubblefree.bench.pipeline import peak_in_flight, run
 from bubblefree.bench.time_to_loss import first_reach
-from bubblefree.distributed.synthetic import SyntheticModel, SyntheticStage, _Sleep
+from bubblefree.bench.synthetic import SyntheticModel, SyntheticStage, _Sleep
 
 
 def test_sleep_function_is_h_times_w_and_takes_its_time():

@@ -13,8 +13,10 @@ corrections) are listed here as choices; a test checks each list against the reg
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
+import inspect
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -487,9 +489,6 @@ def field_docs() -> dict[str, list[tuple[str, str, Any, str]]]:
 
     Used to generate the config reference in docs/training.md, so the reference cannot drift from the code.
     """
-    import ast
-    import inspect
-
     tree = ast.parse(inspect.getsource(inspect.getmodule(Config)))
     docs: dict[str, dict[str, str]] = {}
     for node in tree.body:

@@ -29,6 +29,8 @@ minute; the test suite runs it. Exit code 0 when every part passed, 1 otherwise 
 from __future__ import annotations
 
 import argparse
+import gc
+import importlib.util
 import json
 import os
 import platform
@@ -39,11 +41,17 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from collections.abc import Callable
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from bubblefree import __version__
 from bubblefree.errors import UserError
+from bubblefree.experiments.runner import commit
 
 __all__ = ["BUDGETS_S", "DEADLINE_S", "PARTS", "run"]
 
@@ -66,7 +74,9 @@ MIN_PART_S = 20.0
 # ------------------------------------------------------------------------------------------ the parts
 # Each runs in a child process: ``part(budget_s, tiny, record) -> dict``; ``record(partial)`` saves what is
 # known so far, so a part killed at its budget still reports its finished pieces. ``"ok"`` in the result says
-# whether the part passed.
+# whether the part passed. A part imports what it runs inside its function: each part is a fresh process
+# with a budget, which should not pay for the other parts' modules (transformers, the optimizer references,
+# the experiments).
 
 def _checks(budget_s: float, tiny: bool, record: Callable[[dict], None]) -> dict:
     from bubblefree.bench.parity import run_checks
@@ -84,8 +94,6 @@ def _checks(budget_s: float, tiny: bool, record: Callable[[dict], None]) -> dict
 
 
 def _optim(budget_s: float, tiny: bool, record: Callable[[dict], None]) -> dict:
-    import importlib.util
-
     from bubblefree.bench import optim
 
     names = None if importlib.util.find_spec("pytorch_optimizer") else ("adamw", "adamw (vs fused)", "muon")
@@ -100,10 +108,6 @@ def _optim(budget_s: float, tiny: bool, record: Callable[[dict], None]) -> dict:
 
 
 def _quality(budget_s: float, tiny: bool, record: Callable[[dict], None]) -> dict:
-    import gc
-
-    import torch
-
     from bubblefree.data.tokens import load_tokens
     from bubblefree.experiments.scales import get_scale
     from bubblefree.optim import OPTIMIZERS
@@ -168,8 +172,6 @@ def _quality(budget_s: float, tiny: bool, record: Callable[[dict], None]) -> dic
 
 
 def _train(budget_s: float, tiny: bool, record: Callable[[dict], None]) -> dict:
-    import torch
-
     from bubblefree.bench.train import H100_BF16_PEAK_FLOPS, _compare, matmul_flops
 
     start = time.perf_counter()
@@ -212,19 +214,12 @@ def _write_json(path: Path, data: dict) -> None:
 
 
 def _environment(tiny: bool) -> dict[str, Any]:
-    import torch
-
-    from bubblefree import __version__
-    from bubblefree.experiments.runner import commit
-
     env: dict[str, Any] = {"bubblefree": __version__, "commit": commit(), "python": platform.python_version(),
                            "torch": torch.__version__, "torch_cuda": torch.version.cuda,
                            "cuda_available": torch.cuda.is_available(), "cpus": os.cpu_count(),
                            "host": platform.node(), "tiny": tiny}
     try:
-        from importlib.metadata import version
-
-        env["transformers"] = version("transformers")
+        env["transformers"] = metadata.version("transformers")
     except Exception:  # noqa: BLE001 - recorded as missing; the train part will fail and say why
         env["transformers"] = None
     if torch.cuda.is_available():
@@ -297,14 +292,10 @@ def _child(name: str, out: Path, budget_s: float, tiny: bool) -> None:
         _write_json(part_file, {**data, "ok": False})  # not passed until the part returns
 
     if tiny:  # tiny tensors: a second thread buys nothing, and on a busy machine it waits for a core
-        import torch
-
         torch.set_num_threads(1)
     try:
         result = _PART_FUNCTIONS[name](budget_s, tiny, record)
     except BaseException as e:
-        import traceback
-
         saved = json.loads(part_file.read_text()) if part_file.is_file() else {}
         _write_json(part_file, {**saved, "ok": False, "error": f"{type(e).__name__}: {e}",
                                 "traceback": traceback.format_exc()[-3000:]})
@@ -322,8 +313,6 @@ def run(out: Path | str | None = None, *, tiny: bool = False, parts: tuple[str, 
 
     Without ``tiny`` a CUDA device is required (a UserError otherwise). ``budgets_s`` overrides parts'
     budgets, ``deadline_s`` the whole command's (both in seconds)."""
-    import torch
-
     if not tiny and not torch.cuda.is_available():
         raise UserError(f"Invalid device check: no CUDA device is available (torch {torch.__version__}, "
                         f"built for CUDA {torch.version.cuda}); --tiny runs it on the CPU with tiny sizes")

@@ -51,6 +51,8 @@ from bubblefree.delay import DelayedOptimizer
 from bubblefree.models import build_model, token_loss
 from bubblefree.optim.base import apply_updates
 from bubblefree.optim.registry import OPTIMIZERS, build_optimizer
+from bubblefree.train import train
+from bubblefree.train.checkpoint import list_checkpoints
 from bubblefree.train.presets import get_preset
 
 __all__ = ["CHECKS", "TOL", "checkpoint_roundtrip", "delayed_parity", "model_parity", "optimizer_parity",
@@ -200,9 +202,6 @@ def checkpoint_roundtrip(device_a: str, device_b: str, *, work: str | Path | Non
     training losses are compared with the uninterrupted run's: exactly equal on one device type, within 1e-3
     across two. AdamW rather than the preset's Muon, whose bfloat16 Newton-Schulz on CUDA would differ from
     the CPU's float32 by more than any checkpoint fault worth finding."""
-    from bubblefree.train import train
-    from bubblefree.train.checkpoint import list_checkpoints
-
     config = apply_overrides(get_preset("smoke"), {
         "train.steps": steps, "train.ckpt_every": 2, "train.ckpt_keep": steps, "train.log_every": 1,
         "train.eval_every": 0, "train.eval_batches": 1, "train.dtype": "float32", "log.progress": False,

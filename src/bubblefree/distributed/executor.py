@@ -54,7 +54,7 @@ class DistributedExecutor:
 
     ``out_dir`` receives this rank's trace (``trace/rank<r>.jsonl``); None records none. ``mesh`` reuses
     process groups already made (tests); by default the torchrun environment is joined. ``stage_module``
-    replaces this rank's piece of the model (the fixed-cost stages of :mod:`bubblefree.distributed.synthetic`
+    replaces this rank's piece of the model (the fixed-cost stages of :mod:`bubblefree.bench.synthetic`
     that ``bubblefree bench pipeline`` runs); it must map the previous stage's output (token ids on stage 0)
     to the next one's input (logits on the last stage).
     """

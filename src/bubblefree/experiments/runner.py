@@ -24,6 +24,8 @@ import platform
 import shutil
 import subprocess
 import time
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from multiprocessing import get_context
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +34,7 @@ from typing import Any
 import torch
 
 from bubblefree.config import Config, config_to_dict
+from bubblefree.train import train
 from bubblefree.train.metrics import METRICS_FILE, read_metrics
 
 __all__ = ["NEUTRAL", "Run", "commit", "identity", "machine", "pending", "run_all", "run_id"]
@@ -155,8 +158,6 @@ def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
 
 def _execute(run: Run, work: Path, *, provenance: dict[str, str]) -> dict[str, Any]:
     """Train ``run`` in ``work`` (its printout to ``work/train.log``) and return its record."""
-    from bubblefree.train import train
-
     if work.exists():  # left by an interrupted earlier attempt: a run either finishes or starts over
         shutil.rmtree(work)
     work.mkdir(parents=True)
@@ -222,9 +223,6 @@ def run_all(runs: Sequence[Run], out: str | Path, *, bar: Any = None, jobs: int 
                 bar.set_postfix_str(rid, refresh=True)
             finished(rid, _execute(run, out / "work" / rid, provenance=provenance))
     else:
-        from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-        from multiprocessing import get_context
-
         # At most `jobs` runs are handed to the pool at a time: the pool moves submitted work into its workers'
         # queue ahead of time, where cancelling cannot reach it, so runs submitted all at once went on starting
         # after a Ctrl-C had stopped the ones in flight.

@@ -19,6 +19,7 @@ import math
 import os
 import random
 import signal
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -27,14 +28,20 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from bubblefree.data import load_tokens
 from bubblefree.errors import TrainingDiverged, UserError
+from bubblefree.models import build_model
+from bubblefree.models.presets import PRESETS as MODEL_PRESETS
+from bubblefree.optim import resolve_defaults
 from bubblefree.optim.schedule import lr_scale
+from bubblefree.train.build import resolve_device
 from bubblefree.train.checkpoint import (CHECKPOINT_DIR, latest_checkpoint, load_checkpoint, restore_rng,
                                          save_checkpoint)
 from bubblefree.config import (Config, apply_overrides, config_diff, config_from_dict, config_to_dict, dump_toml,
                                unused_keys, validate)
 from bubblefree.train.executor import Executor
 from bubblefree.train.metrics import METRICS_FILE, MetricsWriter, plot_losses, progress_bar, tensorboard_writer
+from bubblefree.train.sim import SimExecutor
 
 __all__ = ["RESUMABLE_KEYS", "ExecutorFactory", "Interrupted", "SetupBarrier", "StopRule", "TrainingDiverged",
            "check_fresh_out_dir", "check_lengths", "resolved", "train"]
@@ -72,8 +79,6 @@ def _sim_executor(config: Config, model: torch.nn.Module, data: Any, out_dir: Pa
         raise UserError("Invalid pipeline.runtime: 'distributed' needs one process per stage: run it with "
                         "bubblefree train, under torchrun (python -m bubblefree.distributed) or with "
                         "bubblefree.distributed.launch_local")
-    from bubblefree.train.sim import SimExecutor
-
     return SimExecutor(config, model, data)
 
 
@@ -145,8 +150,6 @@ def _deferred_signals(one_process: bool):
 
 
 def _is_main_thread() -> bool:
-    import threading
-
     return threading.current_thread() is threading.main_thread()
 
 
@@ -156,9 +159,6 @@ def resolved(config: Config, vocab_size: int) -> Config:
     tokenizer's ``vocab_size``, ``train.device`` and ``train.dtype = "auto"`` by what auto picks here. It is
     what config.toml and checkpoints record, and it trains to the same losses bit for bit. The Config a
     caller passes is not changed (run ids hash the caller's form)."""
-    from bubblefree.optim import resolve_defaults
-    from bubblefree.train.sim import resolve_device
-
     device = resolve_device(config.train.device).type
     return apply_overrides(dataclasses.replace(config, optim=resolve_defaults(config.optim)), {
         "model.vocab_size": config.model.vocab_size or vocab_size,
@@ -171,8 +171,6 @@ def resolved(config: Config, vocab_size: int) -> Config:
 def check_lengths(config: Config, data: Any = None) -> None:
     """Invalid input the config alone does not show: a sequence longer than the model takes, and (with
     ``data``) a split shorter than one sequence. Found here, before the run folder exists, not at step 1."""
-    from bubblefree.models.presets import PRESETS as MODEL_PRESETS
-
     seq_len = config.train.seq_len
     longest = MODEL_PRESETS[config.model.preset]().max_seq_len
     if seq_len > longest:
@@ -212,9 +210,6 @@ def _build(config: Config, out_dir: Path, resume: bool | str | Path, barrier: Se
     folder on a shared filesystem). Returns ``(executor, checkpoint or None, parameter counts, token data)``, the
     counts as ``{"params": all trainable, "params_non_embedding": without the vocabulary matrices}``.
     """
-    from bubblefree.data import load_tokens
-    from bubblefree.models import build_model
-
     failure, ckpt = None, None
     try:
         validate(config)
@@ -247,8 +242,6 @@ def _build(config: Config, out_dir: Path, resume: bool | str | Path, barrier: Se
 def _model_name(config: Config, counts: dict[str, int], data: Any) -> str:
     """The banner's model: the preset's name counts its parameters at its own vocabulary, so a run at another
     vocabulary (the smoke preset's 256 bytes) says so beside the count it trains."""
-    from bubblefree.models.presets import PRESETS as MODEL_PRESETS
-
     vocab = config.model.vocab_size or data.vocab_size
     own = MODEL_PRESETS[config.model.preset]().vocab_size
     at = "" if vocab == own else f" at vocabulary {vocab}"
