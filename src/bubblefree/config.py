@@ -123,8 +123,8 @@ class OptimConfig:
 
     max_precond_dim: int = _key(0, ge=0, only_for=("soap",))
     """SOAP only: dimensions longer than this keep the identity basis (Adam along them); 0 takes SOAP's
-    default (docs/optimizers.md). The paper's 49152 vocabulary is never preconditioned; a small vocabulary needs a smaller value for
-    the same regime."""
+    default (docs/optimizers.md). The paper's 49152 vocabulary is never preconditioned; a small vocabulary needs a
+    smaller value for the same regime."""
 
 
 @dataclass(kw_only=True)

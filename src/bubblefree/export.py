@@ -1,8 +1,9 @@
 """``bubblefree export RUN_OR_CHECKPOINT --format hf --out DIR``: a trained model for the Hugging Face stack.
 
 The folder holds ``config.json`` (a ``LlamaConfig``), ``model.safetensors`` (float32), the tokenizer as a
-fast tokenizer (``tokenizer.json`` and its configs) and ``bubblefree.toml`` (the run's config), so ``transformers.AutoModelForCausalLM.from_pretrained(DIR)``
-and ``AutoTokenizer.from_pretrained(DIR)`` load it offline, and tools built on them (lm-evaluation-harness,
+fast tokenizer (``tokenizer.json`` and its configs) and ``bubblefree.toml`` (the run's config), so
+``transformers.AutoModelForCausalLM.from_pretrained(DIR)`` and ``AutoTokenizer.from_pretrained(DIR)`` load it
+offline, and tools built on them (lm-evaluation-harness,
 vLLM) take it as a LLaMA model. The weights are mapped by :func:`bubblefree.models.llama.to_hf_llama`, the
 same mapping the model tests compare logits through.
 

@@ -19,8 +19,9 @@ A part that fails, or outlives its budget (its process group is killed), is reco
 the others still run; a part whose budget the deadline has eaten is recorded as skipped. A part writes its
 results as they come (``parts/<part>.json``, merged into ``device.json`` and removed when the part ends), and
 ``device.json`` and ``device.md`` are rewritten after each part, so a session cut short keeps what finished;
-the parts' output goes to one ``device.log``. A SIGTERM or Ctrl-C ends the running part's process group too. ``--tiny`` runs the same four parts on the CPU with
-tiny sizes (``torch.compile`` with the ``eager`` backend: dynamo without code generation) in well under a
+the parts' output goes to one ``device.log``. A SIGTERM or Ctrl-C ends the running part's process group too.
+``--tiny`` runs the same four parts on the CPU with tiny sizes (``torch.compile`` with the ``eager`` backend: dynamo
+without code generation) in well under a
 minute; the test suite runs it. Exit code 0 when every part passed, 1 otherwise (after writing everything).
 
     bubblefree bench device --out DIR [--tiny]      # DIR/device.json, DIR/device.md, DIR/device.log
@@ -389,7 +390,8 @@ def summary_markdown(result: dict) -> str:
         for r in t["rows"]:
             lines.append(
                 f"| {r['preset']} | {r['batch']} x {r['seq_len']} | {r['compile']} | {r['ours_tokens_per_s']:.0f} | "
-                f"{r['hf_tokens_per_s']:.0f} | {r['ratio']:.3f} | {r['ours_mfu']:.1%} ({r['ours_mfu_vs_matmul']:.1%}) | "
+                f"{r['hf_tokens_per_s']:.0f} | {r['ratio']:.3f} | "
+                f"{r['ours_mfu']:.1%} ({r['ours_mfu_vs_matmul']:.1%}) | "
                 f"{r['hf_mfu']:.1%} ({r['hf_mfu_vs_matmul']:.1%}) | {_gib(r.get('ours_step_peak_bytes'))} / "
                 f"{_gib(r.get('hf_step_peak_bytes'))} | {_gib(r.get('resident_bytes'))} | "
                 f"{r['ours_first_step_s']:.1f} / {r['hf_first_step_s']:.1f} |")

@@ -102,7 +102,8 @@ def model_parity(device: str, *, dtype: str = "float32", preset: str = "llama-1m
     (``float32`` or ``bfloat16`` autocast) against float64 on the CPU."""
     torch.manual_seed(seed)
     model = build_model(preset, vocab_size=VOCAB)
-    tokens = torch.randint(0, model.args.vocab_size, (batch, seq_len + 1), generator=torch.Generator().manual_seed(seed))
+    tokens = torch.randint(0, model.args.vocab_size, (batch, seq_len + 1),
+                           generator=torch.Generator().manual_seed(seed))
     ref_loss, ref_logits, ref_grads = _fwd_bwd(copy.deepcopy(model).double(), tokens, bf16=False)
     bf16 = dtype == "bfloat16"
     loss, logits, grads = _fwd_bwd(copy.deepcopy(model).to(device), tokens.to(device), bf16=bf16)
@@ -240,7 +241,8 @@ def _checks(device: str) -> list[tuple[str, Callable[[], dict[str, Any]]]]:
     for name in OPTIMIZERS:
         checks.append((f"optimizer {name}", lambda name=name: optimizer_parity(device, name)))
     for dtype in (torch.float32, torch.bfloat16):
-        checks.append((f"optimizer muon ns {dtype}", lambda dtype=dtype: optimizer_parity(device, "muon", ns_dtype=dtype)))
+        checks.append((f"optimizer muon ns {dtype}",
+                       lambda dtype=dtype: optimizer_parity(device, "muon", ns_dtype=dtype)))
     checks.append(("delayed adamw ef", lambda: delayed_parity(device, "adamw")))
     checks.append(("delayed muon ef", lambda: delayed_parity(device, "muon", ns_dtype=torch.float32)))
     checks.append(("checkpoint", lambda: checkpoint_roundtrip(device, "cpu")))

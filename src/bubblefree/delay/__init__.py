@@ -1,4 +1,5 @@
-"""Delayed-gradient training: weight stash, Error Feedback, Taylor, Nesterov, weight prediction, synchronous start / cooldown."""
+"""Delayed-gradient training: weight stash, Error Feedback, Taylor, Nesterov, weight prediction, synchronous
+start / cooldown."""
 
 from bubblefree.delay.delayed import CORRECTIONS, DelayedOptimizer, build_delayed
 from bubblefree.schedules.delays import parameter_delays

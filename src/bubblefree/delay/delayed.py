@@ -30,13 +30,14 @@ and cooldown, ``T`` the run length. Step ``t`` is *asynchronous* when ``K_s <= t
   ``beta1 = 0.99`` and no wrapper: that is ``correction="none"`` around ``torch.optim.NAdam``.)
 
 **Switches.** *Start* (entering step ``K_s``): the pipeline begins to fill, nothing is in flight, so every
-stash slot is set to ``x_{K_s}`` and the EF buffers and the prediction's last change to 0. *Cooldown* (entering step ``T - K_c``): the
-pipeline drains; the stash is freed and EF's pending corrections are **flushed**,
+stash slot is set to ``x_{K_s}`` and the EF buffers and the prediction's last change to 0. *Cooldown* (entering step
+``T - K_c``): the pipeline drains; the stash is freed and EF's pending corrections are **flushed**,
 ``x <- x + beta * sum_{j=t-d}^{t-1} u_j`` (i.e. ``x <- z``): every update then counts exactly once
 (``x_T = x_0 - sum_t u_t`` for ``beta = 1``) instead of leaving ``beta`` times the last ``d`` updates applied
 twice; it is local to each stage, so a real pipeline does the same. Nesterov's ``b`` and DC-ASGD-a's mean
-square are not in-flight state and carry over; the prediction's last change is dropped. Switches run eagerly at the end of ``step()`` (and in ``__init__``), so the state between
-two steps, the one a checkpoint captures, is always the one the next step starts from.
+square are not in-flight state and carry over; the prediction's last change is dropped. Switches run eagerly at the
+end of ``step()`` (and in ``__init__``), so the state between two steps, the one a checkpoint captures, is always
+the one the next step starts from.
 
 **Memory.** Per parameter with ``d > 0`` in an asynchronous phase: a ring of ``d`` stashed versions
 (``x_j`` in slot ``j % d``) and, for EF, a ring of ``d`` updates (``u_j`` in slot ``j % d``, the optimizer's

@@ -255,6 +255,7 @@ def draw(rows: Rows, plots: Sequence[tuple[str, str]], out: str | Path, *, title
         elif kind == "steps":
             _steps(rows, path, title)
         else:
-            raise ValueError(f"Invalid plot kind: {kind!r} (expected 'curves', 'gap', 'horizon', 'recovered' or 'steps')")
+            raise ValueError(f"Invalid plot kind: {kind!r} (expected 'curves', 'gap', 'horizon', 'recovered' or "
+                             f"'steps')")
         paths.append(path)
     return paths

@@ -149,8 +149,8 @@ def resolve_defaults(cfg: OptimConfig) -> OptimConfig:
 
 def defaults_markdown() -> str:
     """The defaults table of docs/optimizers.md: the values :func:`resolve_defaults` gives each optimizer."""
-    rows = ["| `optim.name` | class | `lr` | `momentum` | `adamw_lr` | `max_precond_dim` | betas | class weight decay |",
-            "|---|---|---|---|---|---|---|---|"]
+    rows = ["| `optim.name` | class | `lr` | `momentum` | `adamw_lr` | `max_precond_dim` | betas "
+            "| class weight decay |", "|---|---|---|---|---|---|---|---|"]
     for name, spec in OPTIMIZERS.items():
         r = resolve_defaults(OptimConfig(name=name))
         rows.append(f"| `{name}` | `{spec.cls.__name__}` | {r.lr:g} | {r.momentum:g} | "
