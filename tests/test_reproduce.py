@@ -223,6 +223,7 @@ def _read_runs(out):
     return {p.stem: json.loads(p.read_text()) for p in (out / "runs").glob("*.json")}
 
 
+@pytest.mark.slow
 def test_smoke_suite_end_to_end_and_skip_on_rerun(tmp_path, monkeypatch):
     out = tmp_path / "results"
     argv = ["reproduce", "optimizers", "--scale", "smoke", "--out", str(out), "--optimizers", "adamw"]
@@ -285,6 +286,7 @@ def test_cli_rejects_bad_input(tmp_path, capsys):
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.slow
 def test_horizon_suite_end_to_end_at_smoke_scale(tmp_path):
     out = tmp_path / "results"
     assert main(["reproduce", "horizon", "--scale", "smoke", "--out", str(out), "--optimizers", "muon"]) == 0
@@ -406,6 +408,7 @@ def test_sync_switch_fractions_are_exact_step_counts():
         assert start.overrides(sc, frac)["delay.sync_start_steps"] == k
 
 
+@pytest.mark.slow
 def test_mitigations_suite_end_to_end_at_smoke_scale(tmp_path):
     """Every method at its default and at its best sweep point, the sweep in the table, the budget stated."""
     from bubblefree.experiments.suites import mitigation_knobs
@@ -526,6 +529,7 @@ def test_an_interrupted_suite_is_tabulated_from_the_runs_it_finished(tmp_path, m
     assert main(["reproduce", "moe", "--report", "--out", str(out)]) == 2  # no record: never started
 
 
+@pytest.mark.slow
 def test_parallel_runs_hand_the_pool_no_more_than_jobs_at_a_time(tmp_path, monkeypatch):
     """Work handed to a process pool moves into its workers' queue where cancelling cannot reach it, so a
     Ctrl-C used to let queued runs start after the ones in flight had stopped. ``run_all`` keeps at most

@@ -127,6 +127,7 @@ def test_every_arm_sweeps_extends_and_reports_on_other_seeds():
     assert not {run_id(r) for r in report} & {run_id(r) for r in swept}
 
 
+@pytest.mark.slow
 def test_smoke_steps_suite_end_to_end(tmp_path):
     out = tmp_path / "results"
     got = reproduce("steps", scale="smoke", out=out, optimizers=("muon",), progress=False, jobs=2)
