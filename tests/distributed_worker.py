@@ -10,9 +10,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from bubblefree.config import Config
 from bubblefree.models import ModelArgs, Transformer
 from bubblefree.optim.schedule import lr_scale
-from bubblefree.config import Config
 
 VOCAB = 64
 

@@ -14,13 +14,12 @@ import shutil
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from bubblefree.cli import main
 from bubblefree.config import CHOICES, Config, config_to_dict
-from bubblefree.train.presets import load_config
 from bubblefree.train.loop import train
+from bubblefree.train.presets import load_config
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "reliability.md"
 MARKER = "<!-- bad-input table"

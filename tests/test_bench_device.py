@@ -17,6 +17,7 @@ from bubblefree.cli import main
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_device_check_script_tiny_end_to_end(tmp_path, data_cache):
     """The script a GPU machine runs, in its CPU mode: it runs ``bubblefree bench device`` from the source
     tree and leaves the three records and the environment (what a short session brings back)."""

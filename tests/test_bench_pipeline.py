@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from bubblefree.bench.pipeline import peak_in_flight, run
+from bubblefree.bench.synthetic import SyntheticModel, SyntheticStage, _Sleep
 from bubblefree.bench.time_to_loss import first_reach
-from bubblefree.distributed.synthetic import SyntheticModel, SyntheticStage, _Sleep
 
 
 def test_sleep_function_is_h_times_w_and_takes_its_time():
@@ -62,6 +62,7 @@ def test_first_reach_is_the_first_evaluation_at_or_below_the_target():
     assert first_reach(evals, 2.0) is None
 
 
+@pytest.mark.slow
 def test_bench_pipeline_smoke_matches_the_simulator(tmp_path):
     # Sleeps long enough that a loaded machine's per-action overhead (a few ms of Python and transfers) stays a
     # small part of each step: this checks the machinery, docs/throughput.md has the real measurement.

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from bubblefree.cli import main
-from bubblefree.data import load_tokens
 from bubblefree.config import DataConfig, config_diff, config_from_dict, read_toml
+from bubblefree.data import load_tokens
 from bubblefree.train.metrics import read_metrics
 from bubblefree.train.presets import smoke
 from bubblefree.train.sim import SimExecutor
@@ -48,6 +48,7 @@ def tree_digest(path: Path) -> dict[str, str]:
             for p in sorted(path.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.slow
 def test_smoke_run_writes_every_output_and_learns(smoke_run):
     out, proc = smoke_run
     assert proc.returncode == 0, proc.stderr
@@ -67,6 +68,7 @@ def test_smoke_run_writes_every_output_and_learns(smoke_run):
     assert (out / "checkpoints" / "step_00000040.pt").is_file()
 
 
+@pytest.mark.slow
 def test_a_saved_config_trains_again_to_the_same_losses(smoke_run, tmp_path, capsys):
     out, _ = smoke_run
     again = tmp_path / "again"
@@ -76,6 +78,7 @@ def test_a_saved_config_trains_again_to_the_same_losses(smoke_run, tmp_path, cap
     assert (again / "config.toml").read_text() == (out / "config.toml").read_text()
 
 
+@pytest.mark.slow
 def test_no_terminal_gets_plain_progress_lines(smoke_run):
     _, proc = smoke_run  # stderr is a pipe: a log file, nohup
     assert [line.split(":")[0] for line in proc.stdout.splitlines() if line.startswith("step ")] == \
@@ -108,6 +111,7 @@ def _expect_user_error(capsys, argv, fragment):
     assert fragment in lines[0] and "Traceback" not in captured.err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, fragment", [
     (["--preset", "smoky"], "Invalid preset: 'smoky' (did you mean 'smoke'?)"),
     (["--set", "optim.lrr=1"], "valid keys of [optim]"),
@@ -124,6 +128,7 @@ def test_bad_input_leaves_an_existing_run_untouched(smoke_run, capsys, args, fra
     assert tree_digest(out) == before
 
 
+@pytest.mark.slow
 def test_resume_refuses_a_different_config(smoke_run, capsys):
     out, _ = smoke_run
     before = tree_digest(out)

@@ -17,12 +17,11 @@ import numpy as np
 import pytest
 import torch
 
-from test_delay import OPTIMIZERS, SIZES, A, RefAdamW, RefSGDM, X0, c_t, mlp, reference, run_torch, train
-
 from bubblefree.config import DelayConfig, config_from_dict
 from bubblefree.delay import CORRECTIONS, DelayedOptimizer
 from bubblefree.delay.corrections import HPARAMS
 from bubblefree.optim import AdamW
+from test_delay import OPTIMIZERS, SIZES, X0, A, RefAdamW, RefSGDM, c_t, mlp, reference, run_torch, train
 
 ROOT = Path(__file__).resolve().parents[1]
 

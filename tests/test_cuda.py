@@ -9,8 +9,15 @@ skipped one by one without it. The checks and their tolerances live in ``bubblef
 import pytest
 import torch
 
-from bubblefree.bench.parity import (CHECKS, TOL, checkpoint_roundtrip, delayed_parity, model_parity,
-                                     optimizer_parity, rel_err)
+from bubblefree.bench.parity import (
+    CHECKS,
+    TOL,
+    checkpoint_roundtrip,
+    delayed_parity,
+    model_parity,
+    optimizer_parity,
+    rel_err,
+)
 from bubblefree.optim import OPTIMIZERS
 
 NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

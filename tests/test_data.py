@@ -19,11 +19,11 @@ import sys
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 import bubblefree.data.tokenizer as tokenizer_mod
 import bubblefree.data.tokens as tokens_mod
+from bubblefree.config import DataConfig
 from bubblefree.data import (
     CORPUS_DIR,
     ByteTokenizer,
@@ -35,8 +35,6 @@ from bubblefree.data import (
 from bubblefree.data.cache import atomic_write, resolve_cache_dir, stream_dtype
 from bubblefree.data.shards import MAGIC
 from bubblefree.errors import UserError
-from bubblefree.config import DataConfig
-
 
 VOCAB = DataConfig().vocab_size  # the BPE users get by default
 

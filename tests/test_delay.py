@@ -203,8 +203,8 @@ def test_build_delayed_passes_every_key_of_the_delay_section():
     """No [delay] key can fall through: each one reaches the DelayedOptimizer attribute of the same name."""
     import dataclasses
 
-    from bubblefree.delay import build_delayed
     from bubblefree.config import DelayConfig
+    from bubblefree.delay import build_delayed
 
     values = dict(correction="taylor", ef_beta=0.5, taylor_lambda=2.0, taylor_adaptive=True, nesterov_gamma=0.9,
                   predict_scale=0.5, sync_start_steps=1, sync_cooldown_steps=2)

@@ -24,16 +24,15 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
-from distributed_worker import run, tiny_data, tiny_model, worker
-
+from bubblefree.config import Config
 from bubblefree.delay import CORRECTIONS
 from bubblefree.distributed import PipelineFailure, launch_local
 from bubblefree.schedules.ir import one_f_one_b_order
-from bubblefree.config import Config
-from bubblefree.train.presets import load_config
 from bubblefree.train.loop import train
 from bubblefree.train.metrics import read_metrics
+from bubblefree.train.presets import load_config
 from bubblefree.train.sim import SimExecutor
+from distributed_worker import run, tiny_data, tiny_model, worker
 
 RTOL = 1e-5
 
@@ -105,6 +104,7 @@ def _compare(tmp_path: Path, config: Config, nprocs: int, eval_at: tuple[int, ..
     return rel
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("schedule", "stages", "micro", "sync_start", "eval_at", "resume_at", "experts"), [
     # delays 2, 1, 0; drains for evaluation and checkpoint whose refills read the stash; MoE; resume
     ("pipedream", 3, 2, 0, (1,), 3, 4),
@@ -118,6 +118,7 @@ def test_runtime_matches_simulation(tmp_path, schedule, stages, micro, sync_star
              resume_at=resume_at, n_experts=experts)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("correction", "schedule", "stages", "micro", "sync_start", "cooldown"), [
     # every correction at P = 2 (2BW, delay 1) and P = 3 (PipeDream, delays 2, 1, 0: stashed and live-weight
     # versions), each with a synchronous start or cooldown at one of the two depths
@@ -141,6 +142,7 @@ def test_every_correction_on_the_runtime_matches_simulation(tmp_path, correction
             > 100 * RTOL
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("correction", [c for c in CORRECTIONS if c not in ("none", "ef", "taylor", "nesterov",
                                                                             "predict")])
 def test_corrections_added_to_the_table_match_simulation_on_the_runtime(tmp_path, correction):
@@ -153,6 +155,7 @@ def test_corrections_added_to_the_table_match_simulation_on_the_runtime(tmp_path
         _compare(tmp_path / schedule, config, stages)
 
 
+@pytest.mark.slow
 def test_cooldown_flush_on_the_runtime_gives_the_simulation_weights(tmp_path):
     """EF's pending corrections are flushed (x <- z) where the cooldown drains the pipeline, on every stage
     locally: the runtime's weights after the run are the simulation's, and the flush is far above the tolerance."""
@@ -168,6 +171,7 @@ def test_cooldown_flush_on_the_runtime_gives_the_simulation_weights(tmp_path):
     assert rel["weights"] < RTOL
 
 
+@pytest.mark.slow
 def test_data_x_pipeline_2x2_matches_simulation(tmp_path):
     _compare(tmp_path, _config("2bw", 2, 4), nprocs=4, eval_at=(1,))
 
@@ -206,6 +210,7 @@ SMOKE = ["--preset", "smoke", "--set", "pipeline.stages=2", "--set", "train.eval
          "train.ckpt_every=2", "--set", "train.log_every=1", "--set", "log.progress=false"]
 
 
+@pytest.mark.slow
 def test_cli_runs_the_distributed_runtime_and_resumes_it(tmp_path):
     out = tmp_path / "run"
     first = _cli(*SMOKE, "--set", "pipeline.runtime=distributed", "--set", "train.steps=3", "--out", str(out))
@@ -228,6 +233,7 @@ def test_cli_runs_the_distributed_runtime_and_resumes_it(tmp_path):
             assert key not in w or _rel(g[key], w[key]) < RTOL, (g, w)
 
 
+@pytest.mark.slow
 def test_cli_reports_a_user_error_inside_the_ranks_in_one_line(tmp_path):
     result = _cli(*SMOKE, "--set", "pipeline.runtime=distributed", "--set", "pipeline.schedule=wpipe",
                   "--out", str(tmp_path / "run"))
@@ -236,6 +242,7 @@ def test_cli_reports_a_user_error_inside_the_ranks_in_one_line(tmp_path):
     assert "two partitions per process" in result.stderr  # it says why
 
 
+@pytest.mark.slow
 def test_killed_rank_ends_the_run_naming_it(tmp_path, monkeypatch):
     config = _config("2bw", 2, 2, steps=50)
     config.model.preset, config.data.tokenizer = "llama-1m", "byte"
@@ -248,6 +255,7 @@ def test_killed_rank_ends_the_run_naming_it(tmp_path, monkeypatch):
     assert time.monotonic() - tic < 60 + 60  # spawn, imports and data loading included
 
 
+@pytest.mark.slow
 def test_raising_rank_ends_the_run_with_its_cause(tmp_path, monkeypatch):
     config = _config("1f1b", 2, 2, steps=50)
     config.model.preset, config.data.tokenizer = "llama-1m", "byte"

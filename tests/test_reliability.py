@@ -27,10 +27,11 @@ import torch
 
 from bubblefree.cli import main
 from bubblefree.train.checkpoint import list_checkpoints, load_checkpoint, manifest_path
-from bubblefree.train.presets import load_config
 from bubblefree.train.loop import TrainingDiverged, train
 from bubblefree.train.metrics import read_metrics
+from bubblefree.train.presets import load_config
 from bubblefree.train.sim import SimExecutor
+from conftest import group_alive, killed_at_exit, wait_for
 
 RTOL = 1e-5
 TINY = ["train.seq_len=32", "train.batch_size=4", "train.eval_batches=2", "train.eval_every=10",
@@ -65,32 +66,16 @@ def _kill_at_random_step(out: Path, overrides: list[str], *, steps: int, kill_in
     proc = subprocess.Popen([sys.executable, "-m", "bubblefree", "train", "--preset", "smoke",
                              *_sets([*overrides, f"train.steps={steps}"]), "--out", str(out)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 120
-        while _steps_logged(out) < target and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.002)
+    with proc.stderr, killed_at_exit(proc):
+        wait_for(lambda: _steps_logged(out) >= target or proc.poll() is not None, timeout_s=120, poll_s=0.002)
         (os.killpg if whole_group else os.kill)(proc.pid, signal.SIGKILL)
         assert proc.wait(timeout=30) == -signal.SIGKILL, proc.stderr.read().decode()
         killed_at = _steps_logged(out)
         if not whole_group:  # the ranks notice that their launcher is gone and exit by themselves
-            deadline = time.monotonic() + 30
-            while _group_alive(proc.pid) and time.monotonic() < deadline:
-                time.sleep(0.1)
-            assert not _group_alive(proc.pid), "ranks outlived their killed launcher"
-    finally:
-        if _group_alive(proc.pid):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.stderr.close()
+            assert wait_for(lambda: not group_alive(proc.pid), timeout_s=30, poll_s=0.1), \
+                "ranks outlived their killed launcher"
     assert target <= killed_at < steps, (target, killed_at)  # killed mid-run, at or after the chosen step
     return killed_at
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _resume(out: Path) -> str:
@@ -100,6 +85,7 @@ def _resume(out: Path) -> str:
     return proc.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides", [
     ["pipeline.schedule=sync", "delay.correction=none"],
     ["pipeline.schedule=2bw", "delay.correction=ef"],
@@ -117,6 +103,7 @@ def test_sigkill_then_resume_is_bit_exact(tmp_path, overrides):
     assert _without_timing(got) == _without_timing(want)  # every loss, norm, lr, validation loss: equal floats
 
 
+@pytest.mark.slow
 def test_distributed_sigkill_of_the_launcher_then_resume_matches(tmp_path):
     """Killing only the launcher: its ranks exit by themselves; the resumed run continues the trajectory."""
     # The ranks notice within their watchdog's 1 s poll and may train on until then (a TINY step takes tens
@@ -142,6 +129,7 @@ _TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--n
              "-m", "bubblefree.distributed"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["local", "torchrun"])
 def test_sigint_stops_every_rank_after_one_step_with_one_hint_then_resume(tmp_path, launcher):
     """SIGINT to the launcher (ours, or torchrun's agent) of a run started in the background (SIGINT ignored,
@@ -155,19 +143,11 @@ def test_sigint_stops_every_rank_after_one_step_with_one_hint_then_resume(tmp_pa
                              *(["--set", "pipeline.runtime=distributed"] if launcher == "local" else []),
                              "--out", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
-    try:
-        deadline = time.monotonic() + 120
-        while _steps_logged(out) < 3 and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.01)
+    with killed_at_exit(proc):
+        wait_for(lambda: _steps_logged(out) >= 3 or proc.poll() is not None, timeout_s=120)
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=120)
-        deadline = time.monotonic() + 30
-        while _group_alive(proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not _group_alive(proc.pid), "ranks outlived the stop"
-    finally:
-        if _group_alive(proc.pid):
-            os.killpg(proc.pid, signal.SIGKILL)
+        assert wait_for(lambda: not group_alive(proc.pid), timeout_s=30, poll_s=0.1), "ranks outlived the stop"
     if launcher == "local":
         assert proc.returncode == 130 and "Traceback" not in err, err
     hints = [line for line in err.splitlines() if "bubblefree: interrupted;" in line]
@@ -182,6 +162,7 @@ def test_sigint_stops_every_rank_after_one_step_with_one_hint_then_resume(tmp_pa
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == list(range(1, stopped + 3))
 
 
+@pytest.mark.slow
 def test_torchrun_user_error_is_one_line(tmp_path):
     """A refused resume under torchrun: the ranks agree, the node's first process says it once."""
     out = tmp_path / "run"
@@ -309,6 +290,7 @@ def _assert_equal(a, b, where="state"):
         assert a == b or (isinstance(a, float) and math.isnan(a) and math.isnan(b)), (where, a, b)
 
 
+@pytest.mark.slow
 def test_a_diverging_distributed_run_stops_every_rank_with_exit_code_3(tmp_path, capsys):
     """A learning rate of 1e30 makes the weights overflow: the writer rank stops the run, naming the step."""
     out = tmp_path / "run"
@@ -359,6 +341,7 @@ def _two_nodes(tmp_path: Path, args: list[list[str]]) -> list[tuple[int, str, fl
     return results
 
 
+@pytest.mark.slow
 def test_data_missing_on_one_node_ends_every_rank_naming_it(tmp_path):
     (tmp_path / "node0").mkdir()
     (tmp_path / "node0" / "corpus.txt").write_text("It is a truth universally acknowledged. " * 400)
@@ -369,6 +352,7 @@ def test_data_missing_on_one_node_ends_every_rank_naming_it(tmp_path):
     assert "rank 1: Data path not found" in results[0][1]
 
 
+@pytest.mark.slow
 def test_ranks_with_different_configs_all_exit_listing_the_difference(tmp_path):
     results = _two_nodes(tmp_path, [[], ["--set", "train.seed=1"]])
     for rank, (code, err, seconds) in enumerate(results):

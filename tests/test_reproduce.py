@@ -13,17 +13,16 @@ import pytest
 import torch
 
 from bubblefree.cli import main
-from bubblefree.experiments import SCALES, SUITES, get_scale, reproduce, run_id
-from bubblefree.experiments import runner as runner_module
+from bubblefree.config import apply_overrides, config_to_dict, validate
+from bubblefree.experiments import SCALES, SUITES, get_scale, reproduce, run_id, runner as runner_module
 from bubblefree.experiments.runner import Run
 from bubblefree.experiments.suites import MOMENTA
 from bubblefree.experiments.sweeps import choose_lrs, sweep_extension, sweep_runs, sweep_table
 from bubblefree.experiments.tables import gap_recovered, noise_floor
-from bubblefree.models import PRESETS as MODEL_PRESETS
-from bubblefree.models import build_model
+from bubblefree.models import PRESETS as MODEL_PRESETS, build_model
 from bubblefree.optim import OPTIMIZERS
 from bubblefree.schedules.delays import n_partitions
-from bubblefree.config import apply_overrides, config_to_dict, validate
+
 
 def _result(run, loss, *, final=None, **extra):
     """What a finished run's JSON holds, for a stand-in ``runner._execute``: ``loss`` on its curves and, unless
@@ -223,6 +222,7 @@ def _read_runs(out):
     return {p.stem: json.loads(p.read_text()) for p in (out / "runs").glob("*.json")}
 
 
+@pytest.mark.slow
 def test_smoke_suite_end_to_end_and_skip_on_rerun(tmp_path, monkeypatch):
     out = tmp_path / "results"
     argv = ["reproduce", "optimizers", "--scale", "smoke", "--out", str(out), "--optimizers", "adamw"]
@@ -285,6 +285,7 @@ def test_cli_rejects_bad_input(tmp_path, capsys):
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.slow
 def test_horizon_suite_end_to_end_at_smoke_scale(tmp_path):
     out = tmp_path / "results"
     assert main(["reproduce", "horizon", "--scale", "smoke", "--out", str(out), "--optimizers", "muon"]) == 0
@@ -407,6 +408,7 @@ def test_sync_switch_fractions_are_exact_step_counts():
         assert start.overrides(sc, frac)["delay.sync_start_steps"] == k
 
 
+@pytest.mark.slow
 def test_mitigations_suite_end_to_end_at_smoke_scale(tmp_path):
     """Every method at its default and at its best sweep point, the sweep in the table, the budget stated."""
     from bubblefree.experiments.suites import mitigation_knobs
@@ -455,6 +457,7 @@ def test_docs_tables_are_rebuilt_from_the_results_json(tmp_path, monkeypatch):
     docs = tmp_path / "docs"
     docs.mkdir()
     (docs / "training.md").write_text("<!-- config-reference:begin -->\n<!-- config-reference:end -->\n")
+    (docs / "optimizers.md").write_text("<!-- optimizer-defaults:begin -->\n<!-- optimizer-defaults:end -->\n")
     part = "results:smoke/error-feedback"
     (docs / "results.md").write_text(f"Before.\n\n<!-- {part}:begin -->\nstale\n<!-- {part}:end -->\n\nAfter.\n")
     new = generate(docs, tmp_path / "results")[docs / "results.md"]
@@ -511,6 +514,7 @@ def test_an_interrupted_suite_is_tabulated_from_the_runs_it_finished(tmp_path, m
     docs = tmp_path / "docs"
     docs.mkdir()
     (docs / "training.md").write_text("<!-- config-reference:begin -->\n<!-- config-reference:end -->\n")
+    (docs / "optimizers.md").write_text("<!-- optimizer-defaults:begin -->\n<!-- optimizer-defaults:end -->\n")
     (docs / "results.md").write_text("<!-- results:smoke/horizon:begin -->\n<!-- results:smoke/horizon:end -->\n")
     assert tables(out, "horizon", heading="####", partial=True) in generate(docs, tmp_path / "results")[
         docs / "results.md"]
@@ -526,6 +530,7 @@ def test_an_interrupted_suite_is_tabulated_from_the_runs_it_finished(tmp_path, m
     assert main(["reproduce", "moe", "--report", "--out", str(out)]) == 2  # no record: never started
 
 
+@pytest.mark.slow
 def test_parallel_runs_hand_the_pool_no_more_than_jobs_at_a_time(tmp_path, monkeypatch):
     """Work handed to a process pool moves into its workers' queue where cancelling cannot reach it, so a
     Ctrl-C used to let queued runs start after the ones in flight had stopped. ``run_all`` keeps at most
@@ -618,7 +623,8 @@ def test_no_committed_result_or_doc_names_a_path_of_the_machine_that_made_it():
 def test_tuned_arms_sweep_their_own_rates_and_fill_their_tables(tmp_path, monkeypatch):
     """``Suite.arms``: Ajanthan et al.'s NAdamW (beta1 0.99, no correction) and its baselines at 2BW and PipeDream-8
     in ``mitigations``, the retuned momenta in ``momentum``; each arm chooses its own rate (stand-in runs whose best
-    rate depends on the arm), runs its reported seed there, and the tables rebuilt from the JSON are the written ones."""
+    rate depends on the arm), runs its reported seed there, and the tables rebuilt from the JSON are the written
+    ones."""
     from bubblefree.experiments.reproduce import tables
     from bubblefree.experiments.suites import AJANTHAN, AUTHOR_ARMS
 

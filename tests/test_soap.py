@@ -18,7 +18,16 @@ from torch import Tensor, nn
 
 from bubblefree.optim.base import apply_updates
 from bubblefree.optim.soap import SOAP
-
+from conftest import (
+    SEED,
+    pytorch_optimizer,
+    random_grads,
+    random_params,
+    relative_error,
+    run_steps,
+    trajectory,
+    write_rounding_bound,
+)
 
 STEPS = 31
 PF = 3  # refreshes at k = 3, 6, ..., 30: ten QR power iterations in a run
@@ -29,75 +38,19 @@ SHAPES = [(8, 8), (6, 10), (10, 6), (5, 40), (40, 5), (16,), (4, 3, 5)]
 HP = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, precondition_frequency=PF, eps=1e-8)
 
 
-
-SEED = 1234
-"""The seed of every test's parameters and gradients."""
-
-
-def _seed() -> int:
-    return SEED
-
-
-def _pytorch_optimizer():
-    """The reference package, or a skip of the one test that compares against it."""
-    return pytest.importorskip("pytorch_optimizer", reason="the test extra's pytorch-optimizer is not installed")
-
-
-def _params(seed: int, dtype=torch.float32) -> list[nn.Parameter]:
-    g = torch.Generator().manual_seed(seed)
-    return [nn.Parameter(torch.randn(s, generator=g, dtype=dtype)) for s in SHAPES]
-
-
-def _grads(seed: int, steps: int = STEPS, dtype=torch.float32) -> list[list[Tensor]]:
-    g = torch.Generator().manual_seed(seed + 1)
-    return [[torch.randn(s, generator=g, dtype=dtype) * (0.01 + 3 * float(torch.rand(1, generator=g)))
-             for s in SHAPES] for _ in range(steps)]
-
-
 def _ours(params, **kw) -> SOAP:
     return SOAP(params, max_precond_dim=MAX_DIM, **HP, **kw)
 
 
 def _reference(params) -> torch.optim.Optimizer:
-    return _pytorch_optimizer().SOAP(params, max_precondition_dim=MAX_DIM, **HP)
-
-
-def _run(opt, params, grads) -> None:
-    for step_grads in grads:
-        for p, g in zip(params, step_grads, strict=True):
-            p.grad = g.clone()
-        opt.step()
-
-
-def _trajectory(make, seed, dtype=torch.float32):
-    params = _params(seed, dtype)
-    x0 = [p.detach().clone() for p in params]
-    opt = make(params)
-    _run(opt, params, _grads(seed, dtype=dtype))
-    return x0, params, opt
-
-
-def _rel(ours, ref, x0) -> float:
-    """||x_ours - x_ref|| / ||x_ref - x_0||: the error relative to how far the parameters moved."""
-    num = sum(float((a.detach().double() - b.detach().double()).pow(2).sum()) for a, b in zip(ours, ref)) ** 0.5
-    den = sum(float((b.detach().double() - c.double()).pow(2).sum()) for b, c in zip(ref, x0)) ** 0.5
-    return num / den
-
-
-def _write_rounding_bound(x0, ref) -> float:
-    """float32 lets the two writes differ by at most 4 half-ulps (2^-22 |x|) per step: ours rounds x - u
-    once (u itself to an ulp of u), the reference rounds x - s N and then (1 - lr wd) x with a float32
-    factor. Summed over the run and taken relative to the displacement, as :func:`_rel` measures."""
-    norm = sum(float(b.detach().double().pow(2).sum()) for b in ref) ** 0.5
-    moved = sum(float((b.detach().double() - a.double()).pow(2).sum()) for a, b in zip(x0, ref)) ** 0.5
-    return STEPS * 2.0**-22 * norm / moved
+    return pytorch_optimizer().SOAP(params, max_precondition_dim=MAX_DIM, **HP)
 
 
 @pytest.mark.parametrize("foreach", [False, True])
 def test_matches_pytorch_optimizer_soap(foreach):
-    seed = _seed()
-    x0, ref, ref_opt = _trajectory(_reference, seed)
-    _, ours, our_opt = _trajectory(lambda ps: _ours(ps, foreach=foreach), seed)
+    seed = SEED
+    x0, ref, ref_opt = trajectory(_reference, SHAPES, STEPS)
+    _, ours, our_opt = trajectory(lambda ps: _ours(ps, foreach=foreach), SHAPES, STEPS)
     for i, (a, b) in enumerate(zip(ours, ref)):
         mine, theirs = our_opt.state[a], ref_opt.state[b]
         assert int(mine["step"]) == STEPS
@@ -109,41 +62,41 @@ def test_matches_pytorch_optimizer_soap(foreach):
                 assert (m is None) == (len(t) == 0), f"seed={seed} param {i} {key}[{j}]"
                 assert m is None or torch.equal(m, t), f"seed={seed} param {i} {key}[{j}]"
     # 1e-6 for the step's own float32 rounding (5e-7 observed with wd = 0) plus the write's rounding.
-    err, tol = _rel(ours, ref, x0), 1e-6 + _write_rounding_bound(x0, ref)
+    err, tol = relative_error(ours, ref, x0), 1e-6 + write_rounding_bound(x0, ref, STEPS)
     assert err <= tol, f"seed={seed}: relative error {err:.3g} > {tol:.3g}"
 
 
 def test_matches_pytorch_optimizer_soap_in_float64():
     # Same math, QR in float32 on both sides: only float64 rounding of the write is left.
-    seed = _seed()
-    x0, ref, _ = _trajectory(_reference, seed, torch.float64)
-    _, ours, _ = _trajectory(_ours, seed, torch.float64)
-    assert _rel(ours, ref, x0) < 1e-12, f"seed={seed}"
+    seed = SEED
+    x0, ref, _ = trajectory(_reference, SHAPES, STEPS, dtype=torch.float64)
+    _, ours, _ = trajectory(_ours, SHAPES, STEPS, dtype=torch.float64)
+    assert relative_error(ours, ref, x0) < 1e-12, f"seed={seed}"
 
 
 def test_precondition_1d_matches_pytorch_optimizer_soap():
-    seed = _seed()
+    seed = SEED
     gen = torch.Generator().manual_seed(seed)
     shapes = [(12,), (6, 4), (40,)]  # 40 > MAX_DIM keeps the identity even with precondition_1d
     x0 = [torch.randn(s, generator=gen) for s in shapes]
     grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(10)]
     ours, ref = ([nn.Parameter(x.clone()) for x in x0] for _ in range(2))
-    _run(_ours(ours, precondition_1d=True), ours, grads)
-    _run(_pytorch_optimizer().SOAP(ref, max_precondition_dim=MAX_DIM, precondition_1d=True, **HP), ref, grads)
-    err = _rel(ours, ref, x0)
-    assert err <= 1e-6 + 10 / STEPS * _write_rounding_bound(x0, ref), f"seed={seed}: {err:.3g}"
+    run_steps(_ours(ours, precondition_1d=True), ours, grads)
+    run_steps(pytorch_optimizer().SOAP(ref, max_precondition_dim=MAX_DIM, precondition_1d=True, **HP), ref, grads)
+    err = relative_error(ours, ref, x0)
+    assert err <= 1e-6 + write_rounding_bound(x0, ref, 10), f"seed={seed}: {err:.3g}"
 
 
 def test_bfloat16_parameters_stay_close_to_float32():
     """bf16 parameters keep bf16 state and matmuls (eigh and QR in float32). Fed the same bf16 values, the
     summed updates of 8 steps stay within 0.3 of float32's (0.10-0.15 measured over 6 seeds: the early
     steps are nearly sign(Q^T G Q), which bf16 rounding of Q flips for entries near zero)."""
-    seed = _seed()
-    p16 = _params(seed, torch.bfloat16)
+    seed = SEED
+    p16 = random_params(SHAPES, seed, torch.bfloat16)
     p32 = [nn.Parameter(p.detach().float()) for p in p16]
     o16, o32 = _ours(p16), _ours(p32)
     tot16, tot32 = [torch.zeros_like(p) for p in p32], [torch.zeros_like(p) for p in p32]
-    for step_grads in _grads(seed, 8):
+    for step_grads in random_grads(SHAPES, 8, seed):
         for a, b, g in zip(p16, p32, step_grads):
             a.grad = g.to(torch.bfloat16)
             b.grad = a.grad.float()
@@ -151,14 +104,14 @@ def test_bfloat16_parameters_stay_close_to_float32():
             assert u16.dtype == torch.bfloat16 and torch.isfinite(u16).all()
             t16 += u16.float()
             t32 += u32
-    err = _rel(tot16, tot32, [torch.zeros_like(t) for t in tot32])
+    err = relative_error(tot16, tot32, [torch.zeros_like(t) for t in tot32])
     assert err < 0.3, f"seed={seed}: {err:.3g}"
 
 
 def test_foreach_path_is_bitwise_the_reference_path():
-    seed = _seed()
-    _, single, _ = _trajectory(lambda ps: _ours(ps, foreach=False), seed)
-    _, batched, _ = _trajectory(lambda ps: _ours(ps, foreach=True), seed)
+    seed = SEED
+    _, single, _ = trajectory(lambda ps: _ours(ps, foreach=False), SHAPES, STEPS)
+    _, batched, _ = trajectory(lambda ps: _ours(ps, foreach=True), SHAPES, STEPS)
     assert all(torch.equal(a, b) for a, b in zip(single, batched)), f"seed={seed}"
 
 
@@ -167,7 +120,7 @@ def test_first_two_steps_match_the_hand_derivation():
     are U and V (L, R are (1-b) G1 G1^T, (1-b) G1^T G1 with distinct eigenvalues), m = (1-b1) G2,
     v = (1-b2) (U^T G2 V)^2, and with bias corrections s = lr sqrt(1-b2) / (1-b1),
     u = s U [(1-b1) Y / (sqrt(1-b2) |Y| + eps)] V^T + lr wd (x - s N), Y = U^T G2 V. 1-D: the same with U = V = 1."""
-    seed = _seed()
+    seed = SEED
     gen = torch.Generator().manual_seed(seed)
     lr, (b1, b2), eps, wd = HP["lr"], HP["betas"], 1e-3, HP["weight_decay"]  # eps large enough to matter
     # float64, so that the comparison is with the math and not with float32 eigenvectors (whose error
@@ -195,29 +148,29 @@ def test_first_two_steps_match_the_hand_derivation():
 
 
 def test_state_dict_round_trip_continues_identically():
-    seed = _seed()
-    grads = _grads(seed, 14)
-    params = _params(seed)
+    seed = SEED
+    grads = random_grads(SHAPES, 14, seed)
+    params = random_params(SHAPES, seed)
     opt = _ours(params)
-    _run(opt, params, grads[:7])  # mid-way between the refreshes at k = 6 and k = 9
+    run_steps(opt, params, grads[:7])  # mid-way between the refreshes at k = 6 and k = 9
     buffer = io.BytesIO()
     torch.save(opt.state_dict(), buffer)
     restart = [nn.Parameter(p.detach().clone()) for p in params]
-    _run(opt, params, grads[7:])
+    run_steps(opt, params, grads[7:])
     fresh = _ours(restart)
     buffer.seek(0)
     fresh.load_state_dict(torch.load(buffer))
-    _run(fresh, restart, grads[7:])
+    run_steps(fresh, restart, grads[7:])
     assert all(torch.equal(a, b) for a, b in zip(params, restart)), f"seed={seed}"
     assert {"step", "exp_avg", "exp_avg_sq", "GG", "Q"} == set(fresh.state_dict()["state"][0])
 
 
 def test_compute_updates_reads_only_and_returns_fresh_tensors():
-    seed = _seed()
-    params = _params(seed)
+    seed = SEED
+    params = random_params(SHAPES, seed)
     opt, twin = _ours(params), _ours([nn.Parameter(p.detach().clone()) for p in params])
     kept = []
-    for step_grads in _grads(seed, 5):
+    for step_grads in random_grads(SHAPES, 5, seed):
         for p, q, g in zip(params, twin.params(), step_grads):
             p.grad, q.grad = g, g.clone()
         before = [(p.detach().clone(), p.grad.clone()) for p in params]
@@ -237,14 +190,14 @@ def test_compute_updates_reads_only_and_returns_fresh_tensors():
 
 def test_lr_change_between_steps_is_honoured():
     # The schedule writes group["lr"] between steps; without decay u is linear in the lr of its own step.
-    seed = _seed()
-    a, b = _params(seed), _params(seed)
+    seed = SEED
+    a, b = random_params(SHAPES, seed), random_params(SHAPES, seed)
     opt_a, opt_b = _ours(a, foreach=True), _ours(b, foreach=True)
     for opt in (opt_a, opt_b):
         opt.param_groups[0]["weight_decay"] = 0.0
-    grads = _grads(seed, 4)
-    _run(opt_a, a, grads[:3])
-    _run(opt_b, b, grads[:3])
+    grads = random_grads(SHAPES, 4, seed)
+    run_steps(opt_a, a, grads[:3])
+    run_steps(opt_b, b, grads[:3])
     opt_a.param_groups[0]["lr"] = 0.5 * HP["lr"]
     for p, q, g in zip(a, b, grads[3]):
         p.grad, q.grad = g.clone(), g.clone()

@@ -72,12 +72,12 @@ def test_test_split_halves_the_same_windows_at_every_batch():
     starts = [int(row[0]) for x in whole for row in x]
     for batch, n in ((8, 4), (4, 8), (2, 16)):
         cfg = apply_overrides(base, {"train.batch_size": batch, "train.eval_batches": n, "train.test_split": True})
-        got = {split: [int(row[0]) for x, _ in validation_batches(cfg, tokens, "cpu", split) for row in x]
+        got = {split: [int(row[0]) for x, _ in validation_batches(cfg.train, tokens, "cpu", split) for row in x]
                for split in ("val", "test")}
         assert got["val"] == starts[0::2] and got["test"] == starts[1::2]
-        assert all(len(x) == batch for x, _ in validation_batches(cfg, tokens, "cpu", "test"))
+        assert all(len(x) == batch for x, _ in validation_batches(cfg.train, tokens, "cpu", "test"))
     with pytest.raises(ValueError, match="test_split"):
-        validation_batches(base, tokens, "cpu", "test")
+        validation_batches(base.train, tokens, "cpu", "test")
 
 
 @pytest.mark.parametrize("scale", list(SCALES))
@@ -128,6 +128,7 @@ def test_every_arm_sweeps_extends_and_reports_on_other_seeds():
     assert not {run_id(r) for r in report} & {run_id(r) for r in swept}
 
 
+@pytest.mark.slow
 def test_smoke_steps_suite_end_to_end(tmp_path):
     out = tmp_path / "results"
     got = reproduce("steps", scale="smoke", out=out, optimizers=("muon",), progress=False, jobs=2)

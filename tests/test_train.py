@@ -10,11 +10,11 @@ import shutil
 import pytest
 import torch
 
+from bubblefree.config import Config, apply_overrides
 from bubblefree.data import get_batch, load_tokens
 from bubblefree.models import build_model
 from bubblefree.optim import OPTIMIZERS, build_optimizer, set_lr_scale
 from bubblefree.train.checkpoint import list_checkpoints, load_checkpoint
-from bubblefree.config import Config, apply_overrides
 from bubblefree.train.loop import train
 from bubblefree.train.metrics import read_metrics
 from bubblefree.train.presets import smoke

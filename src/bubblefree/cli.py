@@ -26,6 +26,8 @@ from pathlib import Path
 from bubblefree import __version__
 from bubblefree.errors import UserError, exit_code
 
+# Each command imports what it runs inside its function: torch alone takes two seconds to import, which
+# `bubblefree --help` and a rejected argument should not wait for.
 __all__ = ["BENCHMARKS", "build_parser", "exit_code", "main"]
 
 BENCHMARKS = {

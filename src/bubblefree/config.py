@@ -13,8 +13,10 @@ corrections) are listed here as choices; a test checks each list against the reg
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
+import inspect
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -125,8 +127,8 @@ class OptimConfig:
 
     max_precond_dim: int = _key(0, ge=0, only_for=("soap",))
     """SOAP only: dimensions longer than this keep the identity basis (Adam along them); 0 takes SOAP's
-    10000. The paper's 49152 vocabulary is never preconditioned; a small vocabulary needs a smaller value for
-    the same regime."""
+    default (docs/optimizers.md). The paper's 49152 vocabulary is never preconditioned; a small vocabulary needs a
+    smaller value for the same regime."""
 
 
 @dataclass(kw_only=True)
@@ -493,9 +495,6 @@ def field_docs() -> dict[str, list[tuple[str, str, Any, str]]]:
 
     Used to generate the config reference in docs/training.md, so the reference cannot drift from the code.
     """
-    import ast
-    import inspect
-
     tree = ast.parse(inspect.getsource(inspect.getmodule(Config)))
     docs: dict[str, dict[str, str]] = {}
     for node in tree.body:

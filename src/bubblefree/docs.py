@@ -4,6 +4,7 @@ A generated part of a Markdown file sits between ``<!-- NAME:begin -->`` and ``<
 everything outside the markers is written by hand and left as it is. The parts:
 
 * ``config-reference`` (docs/training.md): the configuration reference, from the config's field docstrings;
+* ``optimizer-defaults`` (docs/optimizers.md): each optimizer's defaults, from ``optim.registry``;
 * ``results:FOLDER/SUITE`` (any file): the learning-rate sweep and the table of ``bubblefree reproduce
   SUITE``, rebuilt from the JSON under ``results/FOLDER`` (``experiments.reproduce.tables``): the same text
   as that folder's ``SUITE.md``, with ``####`` headings. A suite still under way (its record is written once
@@ -27,6 +28,7 @@ from pathlib import Path
 
 from bubblefree.config import reference_markdown
 from bubblefree.experiments.reproduce import tables
+from bubblefree.optim.registry import defaults_markdown
 
 __all__ = ["PARTS", "generate", "main", "splice"]
 
@@ -36,6 +38,7 @@ _RESULTS_PART = re.compile(r"<!-- (results:([\w.-]+)/([\w-]+)):begin -->")
 
 PARTS: dict[str, tuple[str, Callable[[], str]]] = {
     "config-reference": ("training.md", reference_markdown),
+    "optimizer-defaults": ("optimizers.md", defaults_markdown),
 }
 """``{part name: (file under docs/, the function that writes the part)}``."""
 

@@ -1,8 +1,9 @@
 """``bubblefree export RUN_OR_CHECKPOINT --format hf --out DIR``: a trained model for the Hugging Face stack.
 
 The folder holds ``config.json`` (a ``LlamaConfig``), ``model.safetensors`` (float32), the tokenizer as a
-fast tokenizer (``tokenizer.json`` and its configs) and ``bubblefree.toml`` (the run's config), so ``transformers.AutoModelForCausalLM.from_pretrained(DIR)``
-and ``AutoTokenizer.from_pretrained(DIR)`` load it offline, and tools built on them (lm-evaluation-harness,
+fast tokenizer (``tokenizer.json`` and its configs) and ``bubblefree.toml`` (the run's config), so
+``transformers.AutoModelForCausalLM.from_pretrained(DIR)`` and ``AutoTokenizer.from_pretrained(DIR)`` load it
+offline, and tools built on them (lm-evaluation-harness,
 vLLM) take it as a LLaMA model. The weights are mapped by :func:`bubblefree.models.llama.to_hf_llama`, the
 same mapping the model tests compare logits through.
 
@@ -21,14 +22,20 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from tokenizers import Tokenizer, decoders, models as tokenizer_models, pre_tokenizers
+
+from bubblefree.config import config_from_dict, dump_toml
+from bubblefree.data import load_tokens
+from bubblefree.data.tokenizer import BPETokenizer, ByteTokenizer
 from bubblefree.errors import UserError
+from bubblefree.models import build_model
+from bubblefree.models.llama import to_hf_llama
+from bubblefree.train.checkpoint import latest_checkpoint, load_checkpoint
 
 __all__ = ["byte_tokenizer", "export_hf", "load_run_model"]
 
 
 def _checkpoint_path(source: str | Path) -> Path:
-    from bubblefree.train.checkpoint import latest_checkpoint
-
     path = Path(source)
     if path.suffix == ".pt":
         return path  # load_checkpoint names it if it is missing or damaged
@@ -42,11 +49,6 @@ def _checkpoint_path(source: str | Path) -> Path:
 
 def load_run_model(source: str | Path) -> tuple[Any, Any, Any]:
     """``(model, tokenizer, config)`` of a run's newest checkpoint, or of checkpoint file ``source``."""
-    from bubblefree.data import load_tokens
-    from bubblefree.models import build_model
-    from bubblefree.train.checkpoint import load_checkpoint
-    from bubblefree.config import config_from_dict
-
     path = _checkpoint_path(source)
     ckpt = load_checkpoint(path)
     config = config_from_dict(ckpt["config"], origin=f"checkpoint {path}")
@@ -63,12 +65,10 @@ def load_run_model(source: str | Path) -> tuple[Any, Any, Any]:
 
 def byte_tokenizer():
     """A ``tokenizers.Tokenizer`` whose token ``i`` is byte ``i``, like ``ByteTokenizer`` (module docstring)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
     alphabet = pre_tokenizers.ByteLevel.alphabet()  # GPT-2's printable stand-ins for the 256 bytes
     to_char = {b: c for c, b in _byte_chars().items()}
     assert sorted(alphabet) == sorted(to_char.values())
-    tok = Tokenizer(models.BPE(vocab={to_char[b]: b for b in range(256)}, merges=[]))
+    tok = Tokenizer(tokenizer_models.BPE(vocab={to_char[b]: b for b in range(256)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     return tok
@@ -89,13 +89,10 @@ def _byte_chars() -> dict[str, int]:
 
 def export_hf(source: str | Path, out: str | Path) -> Path:
     """Write ``source``'s model and tokenizer to the new folder ``out`` (module docstring); return ``out``."""
-    try:
+    try:  # imported here: transformers is an optional extra (and takes seconds to import)
         import transformers
     except ImportError:
         raise UserError("Invalid export: --format hf needs transformers: pip install 'bubblefree[hf]'") from None
-    from bubblefree.data.tokenizer import BPETokenizer, ByteTokenizer
-    from bubblefree.models.llama import to_hf_llama
-    from bubblefree.config import dump_toml
 
     out = Path(out)
     if out.exists():

@@ -4,9 +4,10 @@
 :class:`~bubblefree.delay.DelayedOptimizer` for delay 1 and 2 with EF: ``d`` stashed versions plus ``d``
 update buffers, i.e. exactly ``2 d`` times the parameter bytes, nothing more.
 
-*Step time.* 13 transformer-shaped fp32 matrices (:data:`SHAPES`: model width 512, 9.96M parameters). For AdamW and Muon, three copies run side by side: the bare ``opt.step()``, delay 1, and
-delay 1 + EF, each timed over ``with stale_params(): pass`` plus ``step()`` (the swaps and the update; the
-forward and backward are the same in all three and are not run). Fresh random gradients each step, the same
+*Step time.* 13 transformer-shaped fp32 matrices (:data:`SHAPES`: model width 512, 9.96M parameters). For AdamW and
+Muon, three copies run side by side: the bare ``opt.step()``, delay 1, and delay 1 + EF, each timed over ``with
+stale_params(): pass`` plus ``step()`` (the swaps and the update; the forward and backward are the same in all
+three and are not run). Fresh random gradients each step, the same
 for all copies. The copies alternate step by step so load from other processes hits all alike; medians.
 
     python -m bubblefree.bench.delay [OUT.json | OUT_DIR [THREADS]]

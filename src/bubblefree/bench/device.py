@@ -19,8 +19,9 @@ A part that fails, or outlives its budget (its process group is killed), is reco
 the others still run; a part whose budget the deadline has eaten is recorded as skipped. A part writes its
 results as they come (``parts/<part>.json``, merged into ``device.json`` and removed when the part ends), and
 ``device.json`` and ``device.md`` are rewritten after each part, so a session cut short keeps what finished;
-the parts' output goes to one ``device.log``. A SIGTERM or Ctrl-C ends the running part's process group too. ``--tiny`` runs the same four parts on the CPU with
-tiny sizes (``torch.compile`` with the ``eager`` backend: dynamo without code generation) in well under a
+the parts' output goes to one ``device.log``. A SIGTERM or Ctrl-C ends the running part's process group too.
+``--tiny`` runs the same four parts on the CPU with tiny sizes (``torch.compile`` with the ``eager`` backend: dynamo
+without code generation) in well under a
 minute; the test suite runs it. Exit code 0 when every part passed, 1 otherwise (after writing everything).
 
     bubblefree bench device --out DIR [--tiny]      # DIR/device.json, DIR/device.md, DIR/device.log
@@ -29,6 +30,8 @@ minute; the test suite runs it. Exit code 0 when every part passed, 1 otherwise 
 from __future__ import annotations
 
 import argparse
+import gc
+import importlib.util
 import json
 import os
 import platform
@@ -39,11 +42,17 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from collections.abc import Callable
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from bubblefree import __version__
 from bubblefree.errors import UserError
+from bubblefree.experiments.runner import commit
 
 __all__ = ["BUDGETS_S", "DEADLINE_S", "PARTS", "run"]
 
@@ -66,7 +75,9 @@ MIN_PART_S = 20.0
 # ------------------------------------------------------------------------------------------ the parts
 # Each runs in a child process: ``part(budget_s, tiny, record) -> dict``; ``record(partial)`` saves what is
 # known so far, so a part killed at its budget still reports its finished pieces. ``"ok"`` in the result says
-# whether the part passed.
+# whether the part passed. A part imports what it runs inside its function: each part is a fresh process
+# with a budget, which should not pay for the other parts' modules (transformers, the optimizer references,
+# the experiments).
 
 def _checks(budget_s: float, tiny: bool, record: Callable[[dict], None]) -> dict:
     from bubblefree.bench.parity import run_checks
@@ -84,8 +95,6 @@ def _checks(budget_s: float, tiny: bool, record: Callable[[dict], None]) -> dict
 
 
 def _optim(budget_s: float, tiny: bool, record: Callable[[dict], None]) -> dict:
-    import importlib.util
-
     from bubblefree.bench import optim
 
     names = None if importlib.util.find_spec("pytorch_optimizer") else ("adamw", "adamw (vs fused)", "muon")
@@ -100,15 +109,11 @@ def _optim(budget_s: float, tiny: bool, record: Callable[[dict], None]) -> dict:
 
 
 def _quality(budget_s: float, tiny: bool, record: Callable[[dict], None]) -> dict:
-    import gc
-
-    import torch
-
+    from bubblefree.config import apply_overrides
     from bubblefree.data.tokens import load_tokens
     from bubblefree.experiments.scales import get_scale
     from bubblefree.optim import OPTIMIZERS
     from bubblefree.train import train
-    from bubblefree.config import apply_overrides
 
     start = time.perf_counter()
     scale = get_scale("smoke" if tiny else "gpu")
@@ -168,8 +173,6 @@ def _quality(budget_s: float, tiny: bool, record: Callable[[dict], None]) -> dic
 
 
 def _train(budget_s: float, tiny: bool, record: Callable[[dict], None]) -> dict:
-    import torch
-
     from bubblefree.bench.train import H100_BF16_PEAK_FLOPS, _compare, matmul_flops
 
     start = time.perf_counter()
@@ -212,19 +215,12 @@ def _write_json(path: Path, data: dict) -> None:
 
 
 def _environment(tiny: bool) -> dict[str, Any]:
-    import torch
-
-    from bubblefree import __version__
-    from bubblefree.experiments.runner import commit
-
     env: dict[str, Any] = {"bubblefree": __version__, "commit": commit(), "python": platform.python_version(),
                            "torch": torch.__version__, "torch_cuda": torch.version.cuda,
                            "cuda_available": torch.cuda.is_available(), "cpus": os.cpu_count(),
                            "host": platform.node(), "tiny": tiny}
     try:
-        from importlib.metadata import version
-
-        env["transformers"] = version("transformers")
+        env["transformers"] = metadata.version("transformers")
     except Exception:  # noqa: BLE001 - recorded as missing; the train part will fail and say why
         env["transformers"] = None
     if torch.cuda.is_available():
@@ -297,14 +293,10 @@ def _child(name: str, out: Path, budget_s: float, tiny: bool) -> None:
         _write_json(part_file, {**data, "ok": False})  # not passed until the part returns
 
     if tiny:  # tiny tensors: a second thread buys nothing, and on a busy machine it waits for a core
-        import torch
-
         torch.set_num_threads(1)
     try:
         result = _PART_FUNCTIONS[name](budget_s, tiny, record)
     except BaseException as e:
-        import traceback
-
         saved = json.loads(part_file.read_text()) if part_file.is_file() else {}
         _write_json(part_file, {**saved, "ok": False, "error": f"{type(e).__name__}: {e}",
                                 "traceback": traceback.format_exc()[-3000:]})
@@ -322,8 +314,6 @@ def run(out: Path | str | None = None, *, tiny: bool = False, parts: tuple[str, 
 
     Without ``tiny`` a CUDA device is required (a UserError otherwise). ``budgets_s`` overrides parts'
     budgets, ``deadline_s`` the whole command's (both in seconds)."""
-    import torch
-
     if not tiny and not torch.cuda.is_available():
         raise UserError(f"Invalid device check: no CUDA device is available (torch {torch.__version__}, "
                         f"built for CUDA {torch.version.cuda}); --tiny runs it on the CPU with tiny sizes")
@@ -400,7 +390,8 @@ def summary_markdown(result: dict) -> str:
         for r in t["rows"]:
             lines.append(
                 f"| {r['preset']} | {r['batch']} x {r['seq_len']} | {r['compile']} | {r['ours_tokens_per_s']:.0f} | "
-                f"{r['hf_tokens_per_s']:.0f} | {r['ratio']:.3f} | {r['ours_mfu']:.1%} ({r['ours_mfu_vs_matmul']:.1%}) | "
+                f"{r['hf_tokens_per_s']:.0f} | {r['ratio']:.3f} | "
+                f"{r['ours_mfu']:.1%} ({r['ours_mfu_vs_matmul']:.1%}) | "
                 f"{r['hf_mfu']:.1%} ({r['hf_mfu_vs_matmul']:.1%}) | {_gib(r.get('ours_step_peak_bytes'))} / "
                 f"{_gib(r.get('hf_step_peak_bytes'))} | {_gib(r.get('resident_bytes'))} | "
                 f"{r['ours_first_step_s']:.1f} / {r['hf_first_step_s']:.1f} |")

@@ -51,6 +51,8 @@ from bubblefree.delay import DelayedOptimizer
 from bubblefree.models import build_model, token_loss
 from bubblefree.optim.base import apply_updates
 from bubblefree.optim.registry import OPTIMIZERS, build_optimizer
+from bubblefree.train import train
+from bubblefree.train.checkpoint import list_checkpoints
 from bubblefree.train.presets import get_preset
 
 __all__ = ["CHECKS", "TOL", "checkpoint_roundtrip", "delayed_parity", "model_parity", "optimizer_parity",
@@ -100,7 +102,8 @@ def model_parity(device: str, *, dtype: str = "float32", preset: str = "llama-1m
     (``float32`` or ``bfloat16`` autocast) against float64 on the CPU."""
     torch.manual_seed(seed)
     model = build_model(preset, vocab_size=VOCAB)
-    tokens = torch.randint(0, model.args.vocab_size, (batch, seq_len + 1), generator=torch.Generator().manual_seed(seed))
+    tokens = torch.randint(0, model.args.vocab_size, (batch, seq_len + 1),
+                           generator=torch.Generator().manual_seed(seed))
     ref_loss, ref_logits, ref_grads = _fwd_bwd(copy.deepcopy(model).double(), tokens, bf16=False)
     bf16 = dtype == "bfloat16"
     loss, logits, grads = _fwd_bwd(copy.deepcopy(model).to(device), tokens.to(device), bf16=bf16)
@@ -200,9 +203,6 @@ def checkpoint_roundtrip(device_a: str, device_b: str, *, work: str | Path | Non
     training losses are compared with the uninterrupted run's: exactly equal on one device type, within 1e-3
     across two. AdamW rather than the preset's Muon, whose bfloat16 Newton-Schulz on CUDA would differ from
     the CPU's float32 by more than any checkpoint fault worth finding."""
-    from bubblefree.train import train
-    from bubblefree.train.checkpoint import list_checkpoints
-
     config = apply_overrides(get_preset("smoke"), {
         "train.steps": steps, "train.ckpt_every": 2, "train.ckpt_keep": steps, "train.log_every": 1,
         "train.eval_every": 0, "train.eval_batches": 1, "train.dtype": "float32", "log.progress": False,
@@ -241,7 +241,8 @@ def _checks(device: str) -> list[tuple[str, Callable[[], dict[str, Any]]]]:
     for name in OPTIMIZERS:
         checks.append((f"optimizer {name}", lambda name=name: optimizer_parity(device, name)))
     for dtype in (torch.float32, torch.bfloat16):
-        checks.append((f"optimizer muon ns {dtype}", lambda dtype=dtype: optimizer_parity(device, "muon", ns_dtype=dtype)))
+        checks.append((f"optimizer muon ns {dtype}",
+                       lambda dtype=dtype: optimizer_parity(device, "muon", ns_dtype=dtype)))
     checks.append(("delayed adamw ef", lambda: delayed_parity(device, "adamw")))
     checks.append(("delayed muon ef", lambda: delayed_parity(device, "muon", ns_dtype=torch.float32)))
     checks.append(("checkpoint", lambda: checkpoint_roundtrip(device, "cpu")))

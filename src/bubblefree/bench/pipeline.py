@@ -4,7 +4,7 @@
 ``ScheduleGPipe`` and ``Schedule1F1B`` (the runtime's ``gpipe`` and ``1f1b``) and our persistent PipeDream-2BW
 loop (``2bw``), all through :class:`~bubblefree.distributed.DistributedExecutor`:
 
-* fixed-cost synthetic stages (:mod:`bubblefree.distributed.synthetic`: each forward sleeps ``t_F``, each
+* fixed-cost synthetic stages (:mod:`bubblefree.bench.synthetic`: each forward sleeps ``t_F``, each
   backward ``t_B``) at ``P = 4`` and ``8`` for ``M`` in ``{P, 2P, 4P}``; sleeping frees the CPU, so 8 ranks
   fit on 2 cores and what is measured is the runtime's schedule, not the machine's arithmetic;
 * the real transformer (the ``smoke`` preset with :data:`REAL_OVERRIDES`) at ``P = 2``, in tokens per second.
@@ -36,11 +36,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
+from bubblefree.bench.synthetic import SyntheticModel, synthetic_data
+from bubblefree.config import Config
+from bubblefree.data import load_tokens
+from bubblefree.distributed import DistributedExecutor, init_mesh
+from bubblefree.models import build_model
+from bubblefree.optim.schedule import lr_scale
 from bubblefree.schedules.ir import build_schedule
 from bubblefree.schedules.render import Panel, Span, draw_panels, timeline_panel
 from bubblefree.schedules.timeline import Costs, simulate
-from bubblefree.config import Config
 from bubblefree.train.presets import load_config
 
 __all__ = ["REAL_OVERRIDES", "SCHEDULES", "peak_in_flight", "read_traces", "run", "run_cases", "synthetic_config",
@@ -97,14 +104,9 @@ def _build(case: dict, stage: int):
     """``(model, data, stage_module)`` of a case: synthetic stages, or the preset's model and corpus."""
     config: Config = case["config"]
     if case.get("synthetic"):
-        from bubblefree.distributed.synthetic import SyntheticModel, synthetic_data
-
         t_f, t_b = case["synthetic"]
         model = SyntheticModel(config.pipeline.stages, t_forward=t_f, t_backward=t_b)
         return model, synthetic_data(model.vocab), model.stage(stage)
-    from bubblefree.data import load_tokens
-    from bubblefree.models import build_model
-
     torch.manual_seed(config.train.seed)
     data = load_tokens(config.data)
     return build_model(config.model.preset, vocab_size=config.model.vocab_size or data.vocab_size), data, None
@@ -112,11 +114,6 @@ def _build(case: dict, stage: int):
 
 def _worker(index: int, nprocs: int, port: int, cases: list[dict]) -> None:
     """One rank: every case in turn on one process group; writes ``<case dir>/rank<r>.json``."""
-    import torch.distributed as dist
-
-    from bubblefree.distributed import DistributedExecutor, init_mesh
-    from bubblefree.optim.schedule import lr_scale
-
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(index), LOCAL_RANK=str(index),
                       WORLD_SIZE=str(nprocs))
     torch.set_num_threads(1)  # one per rank: several ranks share 2 cores
@@ -146,8 +143,6 @@ def _worker(index: int, nprocs: int, port: int, cases: list[dict]) -> None:
 def run_cases(cases: list[dict], nprocs: int) -> None:
     """Run ``cases`` (dicts: ``config``, ``dir``, optional ``synthetic=(t_F, t_B)``, ``eval_every``,
     ``lr_schedule``) one after another in one set of ``nprocs`` local processes (one per stage)."""
-    import torch.multiprocessing as mp
-
     for case in cases:
         if case["config"].pipeline.stages != nprocs:
             raise ValueError(f"Invalid case {case['dir']}: {case['config'].pipeline.stages} stages, not {nprocs}")

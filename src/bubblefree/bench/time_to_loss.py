@@ -27,6 +27,7 @@ from pathlib import Path
 
 from bubblefree.bench.pipeline import REAL_OVERRIDES, run_cases
 from bubblefree.config import Config, apply_overrides, parse_override, validate
+from bubblefree.experiments.scales import get_scale
 from bubblefree.train.presets import load_config
 
 __all__ = ["RUNS", "first_reach", "run"]
@@ -44,6 +45,7 @@ def first_reach(evals: list[dict], target: float) -> dict | None:
 def _plot(curves: dict[str, list[dict]], target: float, path: Path) -> Path:
     """Validation loss against training wall-clock; the right panel zooms on the last half of 1F1B's run,
     where the question (does 2BW + EF reach 1F1B's final loss first?) is decided."""
+    # Imported here: matplotlib costs half a second, which only the plot should spend.
     import matplotlib
 
     matplotlib.use("Agg")
@@ -72,8 +74,6 @@ def _plot(curves: dict[str, list[dict]], target: float, path: Path) -> Path:
 def _long_base(steps: int, lr: float | None) -> Config:
     """The ``long`` reproduction scale's base run (``byte-0.5m``, 32 x 256 tokens, compiled blocks) with Muon,
     ``steps`` long, at ``lr`` (default: the rate the scale's sweep chose, if ``results/long`` holds it)."""
-    from bubblefree.experiments.scales import get_scale
-
     if lr is None:
         chosen = Path("results/long/error-feedback.json")
         lr = json.loads(chosen.read_text())["lrs"].get("muon", 0.0) if chosen.exists() else 0.0

@@ -112,7 +112,7 @@ def load_hf(spec: str) -> TextCorpus:
     """``hf:NAME[:split]``: a hub dataset via ``datasets.load_dataset``, or a ``save_to_disk`` folder."""
     assert spec.startswith("hf:")
     name, split = _parse_hf(spec[3:])
-    try:
+    try:  # imported here: datasets is an optional extra (and takes seconds to import)
         import datasets
     except ImportError as e:
         raise UserError(

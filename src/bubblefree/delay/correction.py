@@ -1,4 +1,5 @@
-"""The :class:`Correction` interface: what a delay correction adds to the weight stash of :mod:`~bubblefree.delay.delayed`.
+"""The :class:`Correction` interface: what a delay correction adds to the weight stash of
+:mod:`~bubblefree.delay.delayed`.
 
 The stash core (versions, rotation, delays per parameter, synchronous start and cooldown) is one piece, in
 :class:`~bubblefree.delay.delayed.DelayedOptimizer`. A correction changes it at a few points of a step, each

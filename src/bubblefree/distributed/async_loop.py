@@ -42,7 +42,7 @@ class AsyncLoop:
     def _phase_end(self, step: int) -> int:
         """First step after ``step`` that is not asynchronous (where the segment must end)."""
         delayed, end = self.rank.stage.delayed, step
-        while end < self.rank.config.train.steps and delayed.is_async(end):
+        while end < self.rank.train.steps and delayed.is_async(end):
             end += 1
         return end
 

@@ -25,9 +25,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+import bubblefree.distributed.gather as gather
 from bubblefree.config import Config, validate
 from bubblefree.delay import build_delayed
-import bubblefree.distributed.gather as gather
 from bubblefree.distributed.async_loop import AsyncLoop
 from bubblefree.distributed.faults import maybe_fault
 from bubblefree.distributed.mesh import Mesh, init_mesh
@@ -54,7 +54,7 @@ class DistributedExecutor:
 
     ``out_dir`` receives this rank's trace (``trace/rank<r>.jsonl``); None records none. ``mesh`` reuses
     process groups already made (tests); by default the torchrun environment is joined. ``stage_module``
-    replaces this rank's piece of the model (the fixed-cost stages of :mod:`bubblefree.distributed.synthetic`
+    replaces this rank's piece of the model (the fixed-cost stages of :mod:`bubblefree.bench.synthetic`
     that ``bubblefree bench pipeline`` runs); it must map the previous stage's output (token ids on stage 0)
     to the next one's input (logits on the last stage).
     """
@@ -81,7 +81,7 @@ class DistributedExecutor:
         trace = Path(out_dir) / "trace" / f"rank{self.mesh.rank}.jsonl" if out_dir is not None else None
         local_m = pipe.microbatches // self.mesh.replicas
         self.rank = Rank(
-            config=config, data=data, mesh=self.mesh, module=module,
+            pipeline=pipe, train=config.train, data=data, mesh=self.mesh, module=module,
             stage=StageRuntime(module, delayed, n_stages=pipe.stages, grad_clip=config.train.grad_clip,
                                dp_group=self.mesh.dp_group),
             p2p=p2p, tracer=Tracer(trace, rank=self.mesh.rank, replica=self.mesh.replica, stage=self.mesh.stage),

@@ -37,7 +37,7 @@ def evaluate(rank: Rank, split: str = "val") -> float | None:
     if mesh.replica != 0:
         return None
     rank.module.eval()
-    batches = validation_batches(rank.config, rank.data.val, rank.device, split)
+    batches = validation_batches(rank.train, rank.data.val, rank.device, split)
     total = torch.zeros((), dtype=torch.float64, device=rank.device)
     for i, (x, y) in enumerate(batches):
         if not mesh.is_first:
@@ -69,7 +69,7 @@ def gather_state(rank: Rank) -> dict[str, Any]:
     dist.gather_object(own, gathered, dst=0)
     if not writer:
         return {}
-    return {"runtime": "distributed", "schedule": rank.config.pipeline.schedule,
+    return {"runtime": "distributed", "schedule": rank.pipeline.schedule,
             "stages": gathered[: rank.P]}  # replicas hold identical copies
 
 

@@ -35,6 +35,7 @@ import traceback
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
 
@@ -136,8 +137,6 @@ def _executor(config: Config, model: torch.nn.Module, data: object, out_dir: Pat
 
 def run_worker(config: Config, *, out_dir: str | Path, resume: bool | str | Path = False) -> None:
     """Body of one process of a run (environment from torchrun or :func:`launch_local`)."""
-    import torch.distributed as dist
-
     out_dir = Path(out_dir)
     rank = int(os.environ["RANK"])
     _watchdog(out_dir, rank)
@@ -176,8 +175,6 @@ def _spawned(index: int, config: Config, out_dir: str, nprocs: int, port: int, r
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(index), LOCAL_RANK=str(index),
                       WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs))
     torch.set_num_threads(threads)
-    from bubblefree.train.loop import Interrupted
-
     try:
         run_worker(config, out_dir=out_dir, resume=resume)
     except Interrupted:  # the launcher says where the checkpoint is; a normal exit releases what spawn shared

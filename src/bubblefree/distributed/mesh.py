@@ -22,6 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from bubblefree.errors import UserError
+
 __all__ = ["Mesh", "agree", "backend_for", "init_backend", "init_mesh", "rank_coords"]
 
 
@@ -66,8 +68,6 @@ def backend_for(device_type: str, *, local_rank: int, cuda_devices: int) -> tupl
     if device_type != "cuda":
         return "gloo", torch.device("cpu")
     if local_rank >= cuda_devices:
-        from bubblefree.errors import UserError
-
         raise UserError(f"Invalid launch: local rank {local_rank} has no GPU of its own ({cuda_devices} visible); "
                         f"NCCL needs one GPU per rank: start at most {cuda_devices} processes per node, or run the "
                         f"stages on the CPU (train.device=cpu, gloo) or in one process (pipeline.runtime=sim)")
@@ -95,8 +95,6 @@ def agree(config: dict[str, dict[str, Any]], failure: BaseException | None) -> N
     that did not fail itself when any rank failed (naming the first) or when the configs differ (listing the
     keys). A rank whose own setup failed returns, to raise its own error. Invalid input (a failed rank's
     ``ValueError``, different configs) is a :class:`~bubblefree.errors.UserError`."""
-    from bubblefree.errors import UserError
-
     mine = (config, None if failure is None else (type(failure).__name__, str(failure),
                                                   isinstance(failure, ValueError)))
     gathered: list[Any] = [None] * dist.get_world_size()

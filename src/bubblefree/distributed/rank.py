@@ -1,5 +1,9 @@
 """What the parts of one rank's executor share: its place in the mesh, its stage, its links and its batches.
 
+Of the config it holds the two sections those parts read, ``pipeline`` (the shape and the schedule) and
+``train`` (the batches and the run's length); the rest (model, optimizer, delay, ...) is spent building the
+parts (``DistributedExecutor.__init__``) and no part reaches for it.
+
 A *unit* is what flows through the pipeline as one piece: a microbatch for 2BW and the stock schedules
 (``units_per_step = m/R``, the replica's microbatches of a step), the replica's whole share of the batch for
 PipeDream (one unit per step, so that stage ``s`` is ``P-1-s`` steps stale), which each stage still computes
@@ -17,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from bubblefree.config import Config
+from bubblefree.config import PipelineConfig, TrainConfig
 from bubblefree.distributed.mesh import Mesh
 from bubblefree.distributed.p2p import P2P
 from bubblefree.distributed.relay import StepRelay
@@ -33,7 +37,8 @@ __all__ = ["Rank"]
 class Rank:
     """One rank of the pipeline (replica ``mesh.replica``, stage ``mesh.stage``) and its parts."""
 
-    config: Config
+    pipeline: PipelineConfig
+    train: TrainConfig
     data: Any
     """A ``bubblefree.data.TokenData`` (``.train``, ``.val`` token streams)."""
     mesh: Mesh
@@ -48,12 +53,12 @@ class Rank:
 
     @property
     def P(self) -> int:
-        return self.config.pipeline.stages
+        return self.pipeline.stages
 
     @property
     def m(self) -> int:
         """Microbatches per step over all replicas (every loss is scaled by ``1/m``)."""
-        return self.config.pipeline.microbatches
+        return self.pipeline.microbatches
 
     @property
     def local_m(self) -> int:
@@ -71,8 +76,8 @@ class Rank:
     def unit_batch(self, step: int, unit_in_step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens and targets of a unit: microbatches ``replica * m/R + i`` of the step, concatenated."""
         mbs = range(self.local_m) if self.units_per_step == 1 else [unit_in_step]
-        xs, ys = zip(*(train_microbatch(self.config, self.data.train, step, self.mesh.replica * self.local_m + i,
-                                        self.device) for i in mbs))
+        xs, ys = zip(*(train_microbatch(self.train, self.m, self.data.train, step,
+                                        self.mesh.replica * self.local_m + i, self.device) for i in mbs))
         return torch.cat(xs), torch.cat(ys)
 
     def add_aux(self, step: int) -> None:

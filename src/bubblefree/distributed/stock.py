@@ -33,7 +33,7 @@ class StockSchedules:
         # Imported here: it costs a second or more per process, and asynchronous runs never need it.
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-        rank, n, schedule = self.rank, self.rank.local_m, self.rank.config.pipeline.schedule
+        rank, n, schedule = self.rank, self.rank.local_m, self.rank.pipeline.schedule
         gpipe = get_schedule(schedule).runtime == "gpipe"
         pstage = PipelineStage(rank.module, rank.mesh.stage, rank.P, rank.device, group=rank.mesh.pp_group)
         cls = Schedule1F1B if not gpipe and n >= rank.P else ScheduleGPipe

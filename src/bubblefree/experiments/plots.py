@@ -33,12 +33,19 @@ __all__ = ["draw"]
 Rows = list[dict[str, Any]]
 
 
-def _figure(n_panels: int):
+def _pyplot():
+    """matplotlib's pyplot on the Agg backend (files only, no display). Imported on first use: matplotlib costs
+    half a second, which a suite that draws nothing (a run, a report without figures) should not spend."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _figure(n_panels: int):
+    plt = _pyplot()
     cols = min(3, n_panels)
     rows = math.ceil(n_panels / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.3 * rows), dpi=100, squeeze=False)
@@ -115,10 +122,7 @@ def _recovered(rows: Rows, path: Path, title: str) -> None:
     seeds, the setting in brackets), the noise floor as a share of the gap as a grey band around 0 and 100 %.
     Bars past the left edge are cut there and keep their value in the label (an untuned update EMA reached
     -1022 % at cpu scale)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     optimizers = list(dict.fromkeys(r["optimizer"] for r in rows))
     methods = list(dict.fromkeys(r["variant"] for r in rows if r.get("role") in ("default", "best")))
@@ -161,12 +165,7 @@ def _recovered(rows: Rows, path: Path, title: str) -> None:
 def _horizon(rows: Rows, path: Path, title: str) -> None:
     """Top: gap of async and of async + EF against tokens per parameter, the noise floor as a band; bottom:
     the share of the gap EF recovers. One column per optimizer."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from bubblefree.experiments.tables import gap_recovered
+    plt = _pyplot()
 
     optimizers = list(dict.fromkeys(r["optimizer"] for r in rows))
     fig, axes = plt.subplots(2, len(optimizers), figsize=(4.4 * len(optimizers), 6.4), dpi=100, squeeze=False)
@@ -202,10 +201,7 @@ def _steps(rows: Rows, path: Path, title: str) -> None:
     """Top: the paired gap of 2BW and of 2BW + EF to sync (each at its own tuned rate, test windows, reported
     seeds) against the number of steps, the 95 % interval as a band; bottom: EF's share of the gap with its
     bootstrap interval. One column per optimizer."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     def by_seed(mine: Rows, x: float, variant: str) -> dict[int, float]:
         return {r["seed"]: math.inf if r.get("final_test_loss") is None else r["final_test_loss"]
@@ -263,6 +259,7 @@ def draw(rows: Rows, plots: Sequence[tuple[str, str]], out: str | Path, *, title
         elif kind == "steps":
             _steps(rows, path, title)
         else:
-            raise ValueError(f"Invalid plot kind: {kind!r} (expected 'curves', 'gap', 'horizon', 'recovered' or 'steps')")
+            raise ValueError(f"Invalid plot kind: {kind!r} (expected 'curves', 'gap', 'horizon', 'recovered' or "
+                             f"'steps')")
         paths.append(path)
     return paths

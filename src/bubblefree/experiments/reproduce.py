@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
+from tqdm.auto import tqdm
 
 from bubblefree.config import apply_overrides, config_diff, config_from_dict, parse_override, read_toml, validate
 from bubblefree.errors import UserError
@@ -94,8 +95,6 @@ def reproduce(suite: str, *, scale: str = "cpu", out: str | Path | None = None, 
     if sc.base.train.device == "cuda" and not torch.cuda.is_available():
         raise UserError(f"Invalid scale: {sc.name!r} needs a CUDA device and none is available")
     out = Path(out or f"results/{sc.name}")
-    from tqdm.auto import tqdm
-
     # The suite's runs depend on the rates the sweep picks: until then the bar's total is an estimate made
     # at the default rates, set exactly once the sweep is done.
     if spec.cells:  # every cell's sweep and its reported seeds, one run per seed at one rate (extra ones added)

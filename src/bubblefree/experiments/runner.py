@@ -25,13 +25,16 @@ import shutil
 import subprocess
 import time
 from collections.abc import Sequence
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
+from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from bubblefree.config import Config, config_to_dict
+from bubblefree.train import train
 from bubblefree.train.metrics import METRICS_FILE, read_metrics
 
 __all__ = ["NEUTRAL", "Run", "commit", "identity", "machine", "pending", "run_all", "run_id"]
@@ -83,8 +86,8 @@ NEUTRAL: dict[str, Any] = {
     "delay.taylor_adaptive": False,  # DC-ASGD-a: off is the plain Taylor rule
     "delay.nesterov_gamma": 0.99,  # the value hard-coded before the key existed
     "delay.predict_scale": 1.0,  # acts only with delay.correction = predict, added with it
-    "train.test_split": False,
-    "optim.momentum_decay": 0.004,  # acts only with optim.name = nadamw, added with it  # off: every evaluation window is validation, as before the key existed
+    "train.test_split": False,  # off: every evaluation window is validation, as before the key existed
+    "optim.momentum_decay": 0.004,  # acts only with optim.name = nadamw, added with it
 }
 """Every config key added after :data:`_ORIGINAL_KEYS`, with its *neutral* value: the value under which a run
 computes exactly what it computed before the key existed. A key at its neutral value is left out of the id, so
@@ -156,8 +159,6 @@ def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
 
 def _execute(run: Run, work: Path, *, provenance: dict[str, str]) -> dict[str, Any]:
     """Train ``run`` in ``work`` (its printout to ``work/train.log``) and return its record."""
-    from bubblefree.train import train
-
     if work.exists():  # left by an interrupted earlier attempt: a run either finishes or starts over
         shutil.rmtree(work)
     work.mkdir(parents=True)
@@ -223,9 +224,6 @@ def run_all(runs: Sequence[Run], out: str | Path, *, bar: Any = None, jobs: int 
                 bar.set_postfix_str(rid, refresh=True)
             finished(rid, _execute(run, out / "work" / rid, provenance=provenance))
     else:
-        from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-        from multiprocessing import get_context
-
         # At most `jobs` runs are handed to the pool at a time: the pool moves submitted work into its workers'
         # queue ahead of time, where cancelling cannot reach it, so runs submitted all at once went on starting
         # after a Ctrl-C had stopped the ones in flight.

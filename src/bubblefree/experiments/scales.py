@@ -37,8 +37,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bubblefree.errors import UserError
 from bubblefree.config import Config, apply_overrides
+from bubblefree.errors import UserError
 from bubblefree.train.presets import get_preset
 
 __all__ = ["SCALES", "Scale", "get_scale"]

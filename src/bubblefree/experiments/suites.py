@@ -20,7 +20,7 @@ at least two seeds so each gap can be printed beside its noise floor (``experime
 ``steps`` is the one suite that tunes every arm and keeps choosing and reporting apart (``sweeps.Cell``): its
 table gives paired differences over the reported seeds with 95 % intervals and a verdict. ``mitigations`` and
 ``momentum`` add such tuned arms (``Suite.arms``) beside their runs at the synchronous rate.
-"""
+"""  # noqa: E501 (a table's rows)
 
 from __future__ import annotations
 
@@ -50,6 +50,7 @@ from bubblefree.experiments.sweeps import (
 from bubblefree.experiments.tables import (
     PAPER_360M,
     PAPER_MOE,
+    VERDICT_SEEDS,
     fmt,
     fmt_interval,
     fmt_mean,
@@ -64,7 +65,6 @@ from bubblefree.experiments.tables import (
     share_interval,
     tokens_per_param,
     verdict,
-    VERDICT_SEEDS,
 )
 from bubblefree.optim import OPTIMIZERS
 
@@ -528,7 +528,8 @@ def _steps_table(rows: Rows) -> str:
                         fmt_interval(*gap), fmt_interval(*ef_gap), verdict(*ef_gap[1:], n=len(ef_diffs)),
                         _share(cell["sync"], cell["async"], cell["ef"]),
                         " / ".join(at_sync),
-                        f"{fmt_interval(*best)} (sync at {best_steps} steps): {verdict(*best[1:], n=len(best_diffs), than='it')}"
+                        f"{fmt_interval(*best)} (sync at {best_steps} steps): "
+                        f"{verdict(*best[1:], n=len(best_diffs), than='it')}"
                         if best_x is not None else "-"])
     return markdown_table(["optimizer", "steps (batch)", "lr sync / 2BW / 2BW + EF", "sync", "2BW", "2BW + EF",
                            "2BW gap [95 %]", "2BW + EF gap [95 %]", "2BW + EF verdict", "EF recovered [95 %]",

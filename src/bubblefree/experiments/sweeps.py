@@ -25,8 +25,8 @@ from bubblefree.experiments.tables import fmt, markdown_table
 from bubblefree.optim import OPTIMIZERS
 
 __all__ = ["ASYNC", "CHOICE_SEED", "EF", "SYNC", "Cell", "Knob", "cell_best", "cell_extension", "cell_report_runs",
-           "cell_sweep_runs", "cell_sweep_table", "choose_lrs", "knob_best_runs", "knob_extension", "knob_points", "knob_runs",
-           "knob_sweep_runs", "seed_runs", "sweep_extension", "sweep_runs", "sweep_table"]
+           "cell_sweep_runs", "cell_sweep_table", "choose_lrs", "knob_best_runs", "knob_extension", "knob_points",
+           "knob_runs", "knob_sweep_runs", "seed_runs", "sweep_extension", "sweep_runs", "sweep_table"]
 
 Rows = list[dict[str, Any]]
 
@@ -289,7 +289,8 @@ def cell_sweep_table(rows: Rows) -> str:
     out = []
     for (opt, variant, x), tried in _cell_points(rows).items():
         best = min(tried, key=lambda lr: (tried[lr], lr))
-        cells = [f"lr {lr:g}: " + (f"**{fmt(loss)}**" if lr == best else fmt(loss)) for lr, loss in sorted(tried.items())]
+        cells = [f"lr {lr:g}: " + (f"**{fmt(loss)}**" if lr == best else fmt(loss))
+                 for lr, loss in sorted(tried.items())]
         edge = " (grid edge)" if len(tried) > 1 and best in (min(tried), max(tried)) else ""
         out.append([opt, f"{x:g}", variant, f"{best:g}{edge}", "; ".join(cells)])
     return markdown_table(["optimizer", "point", "arm", "chosen lr", f"final val loss per lr (seed {CHOICE_SEED})"],

@@ -22,6 +22,8 @@ import statistics
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import numpy as np
+
 __all__ = ["PAPER_360M", "PAPER_MOE", "T975", "fmt", "fmt_interval", "fmt_mean", "fmt_pct", "gap_recovered",
            "losses", "markdown_table", "mean", "noise_floor", "paired", "paired_interval", "share_interval",
            "tokens_per_param", "verdict", "VERDICT_SEEDS"]
@@ -71,8 +73,6 @@ def share_interval(sync: dict[int, float], delayed: dict[int, float], corrected:
     share = gap_recovered(0.0, mean(gap), mean(gap) - mean(won)) if seeds else math.nan
     if len(seeds) < 2 or not math.isfinite(share):
         return share, math.nan, math.nan
-    import numpy as np
-
     idx = np.random.default_rng(seed).integers(0, len(seeds), size=(resamples, len(seeds)))
     g, w = np.asarray(gap)[idx].mean(axis=1), np.asarray(won)[idx].mean(axis=1)
     shares = np.where(g > 0, w / np.where(g > 0, g, 1.0), np.nan)

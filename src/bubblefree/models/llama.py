@@ -245,7 +245,7 @@ class Transformer(nn.Module):
 def to_hf_llama(model: Transformer):  # -> transformers.LlamaForCausalLM
     """A Hugging Face ``LlamaForCausalLM`` (float32, SDPA attention) with this dense model's config and a copy
     of its weights; used as the independent reference in tests and benchmarks. Needs ``transformers``."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM  # here: an optional extra, seconds to import
 
     args = model.args
     if args.n_experts:

@@ -7,7 +7,7 @@ from bubblefree.optim.lion import Lion
 from bubblefree.optim.mars import MARS
 from bubblefree.optim.muon import Muon
 from bubblefree.optim.nadamw import NAdamW
-from bubblefree.optim.registry import OPTIMIZERS, OptimizerSpec, build_optimizer
+from bubblefree.optim.registry import OPTIMIZERS, OptimizerSpec, build_optimizer, resolve_defaults
 from bubblefree.optim.schedule import clip_stage_grads, lr_scale, set_lr_scale
 from bubblefree.optim.soap import SOAP
 
@@ -26,5 +26,6 @@ __all__ = [
     "build_optimizer",
     "clip_stage_grads",
     "lr_scale",
+    "resolve_defaults",
     "set_lr_scale",
 ]

@@ -16,8 +16,8 @@ without touching the parameters or their ``.grad``. ``step()`` is then just
 4 KiB page; for an elementwise optimizer that can cost more than the arithmetic of the whole step. So
 updates that nobody reads any more can be handed back with :meth:`UpdateOptimizer.recycle` (``step()`` and
 the delay wrapper do), and the next :meth:`UpdateOptimizer.compute_updates` writes into them
-(:meth:`UpdateOptimizer._out_like`) instead of allocating. A recycled tensor is no longer visible to anyone, so the contract "fresh update
-tensors" still holds. Cost: the pool holds at most one update per parameter between steps.
+(:meth:`UpdateOptimizer._out_like`) instead of allocating. A recycled tensor is no longer visible to anyone, so the
+contract "fresh update tensors" still holds. Cost: the pool holds at most one update per parameter between steps.
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ with ``adjust`` = ``lr sqrt(max(1, A / B))`` ("original", Keller) or ``0.2 lr sq
 ``torch.optim.Muon``. NS5 normalises ``M / max(||M||_F, eps)`` and iterates ``X <- a X + (b A + c A^2) X``
 with ``A = X X^T`` on the wide orientation; it runs in ``ns_dtype`` (default: float32 on CPU, which has no fast
 bf16 matmul here, bfloat16 on CUDA as in the reference), and on GPU same-shaped matrices of a group are
-stacked into one batched call (on CPU one call per matrix is faster). Param groups with ``use_muon=False`` get AdamW (Keller's MuonWithAuxAdam layout).
+stacked into one batched call (on CPU one call per matrix is faster). Param groups with ``use_muon=False`` get AdamW
+(Keller's MuonWithAuxAdam layout).
 
 Differences from ``torch.optim.Muon``: it exposes ``u_t``; batches same-shaped matrices; accepts 3-D and
 higher parameters as batches of matrices; ``ns_dtype`` is configurable (torch always uses bf16); the update

@@ -6,12 +6,17 @@ get their own rule (Muon, MARS: embeddings, head, norms and biases go to AdamW g
 installed reference implementation that the tests and the benchmark compare against. Adding an optimizer is
 one entry in :data:`OPTIMIZERS`.
 
+The defaults are applied here alone: :func:`resolve_defaults` turns a config's "take the default" values into
+the registry's, and what it returns is what :func:`build_optimizer` builds, what the training loop records in
+a run's config.toml and checkpoints, and what docs/optimizers.md tabulates (:func:`defaults_markdown`).
+
 Routing: a parameter is a *hidden matrix* when ``p.ndim >= 2`` and its name contains neither ``embed`` nor
 ``lm_head`` (tied weights appear once in ``named_parameters``), as docs/architecture.md fixes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from bubblefree.config import OptimConfig
 from bubblefree.optim.adamw import AdamW
 from bubblefree.optim.adan import Adan
 from bubblefree.optim.base import UpdateOptimizer, check_nonneg
@@ -28,7 +34,8 @@ from bubblefree.optim.muon import Muon
 from bubblefree.optim.nadamw import NAdamW
 from bubblefree.optim.soap import SOAP
 
-__all__ = ["OPTIMIZERS", "OptimizerSpec", "build_optimizer", "is_hidden_matrix", "param_groups"]
+__all__ = ["OPTIMIZERS", "OptimizerSpec", "build_optimizer", "defaults_markdown", "is_hidden_matrix", "param_groups",
+           "resolve_defaults"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,6 +65,9 @@ class OptimizerSpec:
 
     adamw_lr: float = 0.0
     """Default lr of the AdamW groups when ``route_key`` is set."""
+
+    max_precond_dim: int = 0
+    """Default of the ``max_precond_dim`` option (SOAP's longest preconditioned dimension); 0: no such option."""
 
     reference: Callable[..., torch.optim.Optimizer] | None = None
     """``reference(params_or_groups, **hparams)``: the installed implementation we are tested against."""
@@ -100,7 +110,8 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
                           momentum_kwargs=lambda m: {"betas": (m, 0.99)}, route_key="use_mars", adamw_lr=3e-3,
                           reference=_po("MARS")),
     "soap": OptimizerSpec(cls=SOAP, lr=3e-3, betas=(0.95, 0.95), weight_decay=0.01, momentum=0.95,
-                          momentum_kwargs=lambda m: {"betas": (m, 0.95)}, reference=_po("SOAP")),
+                          momentum_kwargs=lambda m: {"betas": (m, 0.95)}, max_precond_dim=10000,
+                          reference=_po("SOAP")),
     "nadamw": OptimizerSpec(cls=NAdamW, lr=6e-4, betas=(0.9, 0.999), weight_decay=0.1, momentum=0.9,
                             momentum_kwargs=lambda m: {"betas": (m, 0.999)}, reference=_torch_nadamw),
 }
@@ -123,28 +134,54 @@ def param_groups(model: nn.Module, route_key: str | None, *, adamw_lr: float) ->
     return [g for g in groups if g["params"]]
 
 
-def build_optimizer(model: nn.Module, cfg) -> UpdateOptimizer:
-    """The optimizer ``cfg.name`` over ``model``'s parameters, with ``cfg``'s lr, momentum and weight decay.
-
-    ``cfg`` is a :class:`bubblefree.config.OptimConfig`: ``lr <= 0`` and ``adamw_lr <= 0`` take the
-    registry default, a negative ``momentum`` the optimizer's default, ``max_precond_dim = 0`` SOAP's.
-    Unknown names raise ValueError.
-    """
-    spec = OPTIMIZERS.get(cfg.name)
+def _spec(name: str) -> OptimizerSpec:
+    spec = OPTIMIZERS.get(name)
     if spec is None:
-        raise ValueError(f"Invalid optim.name: {cfg.name!r} (expected one of {', '.join(sorted(OPTIMIZERS))})")
+        raise ValueError(f"Invalid optim.name: {name!r} (expected one of {', '.join(sorted(OPTIMIZERS))})")
+    return spec
+
+
+def resolve_defaults(cfg: OptimConfig) -> OptimConfig:
+    """``cfg`` with every "take the default" value replaced by ``cfg.name``'s registry default: ``lr <= 0``,
+    a negative ``momentum``, ``adamw_lr <= 0`` (optimizers with a ``route_key``) and ``max_precond_dim = 0``
+    (optimizers with that option). A key the optimizer does not take is left as it is. The defaults equal the
+    classes' own (a test checks), so a run built from the resolved config is the run built from ``cfg``."""
+    spec = _spec(cfg.name)
+    return dataclasses.replace(
+        cfg, lr=cfg.lr if cfg.lr > 0 else spec.lr, momentum=cfg.momentum if cfg.momentum >= 0 else spec.momentum,
+        adamw_lr=spec.adamw_lr if spec.route_key is not None and cfg.adamw_lr <= 0 else cfg.adamw_lr,
+        max_precond_dim=spec.max_precond_dim if spec.max_precond_dim and cfg.max_precond_dim <= 0 else
+        cfg.max_precond_dim)
+
+
+def defaults_markdown() -> str:
+    """The defaults table of docs/optimizers.md: the values :func:`resolve_defaults` gives each optimizer."""
+    rows = ["| `optim.name` | class | `lr` | `momentum` | `adamw_lr` | `max_precond_dim` | betas "
+            "| class weight decay |", "|---|---|---|---|---|---|---|---|"]
+    for name, spec in OPTIMIZERS.items():
+        r = resolve_defaults(OptimConfig(name=name))
+        rows.append(f"| `{name}` | `{spec.cls.__name__}` | {r.lr:g} | {r.momentum:g} | "
+                    f"{f'{r.adamw_lr:g}' if spec.route_key else '-'} | "
+                    f"{r.max_precond_dim if spec.max_precond_dim else '-'} | "
+                    f"{spec.betas if spec.betas else '-'} | {spec.weight_decay:g} |")
+    return "\n".join(rows) + "\n"
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> UpdateOptimizer:
+    """The optimizer ``cfg.name`` over ``model``'s parameters, with ``cfg``'s lr, momentum and weight decay
+    (:func:`resolve_defaults` fills the ones ``cfg`` leaves to the default). Unknown names raise ValueError.
+    """
+    spec = _spec(cfg.name)
     check_nonneg("optim.weight_decay", cfg.weight_decay)
-    kwargs: dict[str, Any] = {"lr": cfg.lr if cfg.lr > 0 else spec.lr, "weight_decay": cfg.weight_decay}
-    if cfg.momentum >= 0:
-        if not cfg.momentum < 1:
-            raise ValueError(f"Invalid optim.momentum: {cfg.momentum} (must be in [0, 1))")
-        kwargs.update(spec.momentum_kwargs(cfg.momentum))
-    adamw_lr = cfg.adamw_lr if cfg.adamw_lr > 0 else spec.adamw_lr
+    if not cfg.momentum < 1:
+        raise ValueError(f"Invalid optim.momentum: {cfg.momentum} (must be in [0, 1))")
+    cfg = resolve_defaults(cfg)
+    kwargs: dict[str, Any] = {"lr": cfg.lr, "weight_decay": cfg.weight_decay, **spec.momentum_kwargs(cfg.momentum)}
     if spec.route_key is not None:
-        kwargs.update(adamw_lr=adamw_lr, adamw_weight_decay=cfg.weight_decay)
+        kwargs.update(adamw_lr=cfg.adamw_lr, adamw_weight_decay=cfg.weight_decay)
     if spec.cls is NAdamW:
         kwargs.update(momentum_decay=cfg.momentum_decay)
-    if spec.cls is SOAP and cfg.max_precond_dim > 0:
+    if spec.max_precond_dim:
         kwargs.update(max_precond_dim=cfg.max_precond_dim)
-    groups = param_groups(model, spec.route_key, adamw_lr=adamw_lr)
+    groups = param_groups(model, spec.route_key, adamw_lr=cfg.adamw_lr)
     return spec.cls(groups, **kwargs)

@@ -1,4 +1,5 @@
-"""Pipeline schedules: the one table of schedules and their per-partition delays (:mod:`bubblefree.schedules.delays`)."""
+"""Pipeline schedules: the one table of schedules and their per-partition delays
+(:mod:`bubblefree.schedules.delays`)."""
 
 from bubblefree.schedules.delays import (
     SCHEDULE_SPECS,

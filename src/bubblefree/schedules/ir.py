@@ -8,7 +8,8 @@ Microbatch indices are global over the run: microbatch ``j`` belongs to optimize
 Flushing schedules (GPipe, 1F1B, interleaved 1F1B, zero bubble) repeat one step's order ``steps`` times;
 the asynchronous ones (PipeDream-2BW, PipeDream) run one 1F1B order over the whole run, filling once at the
 start and draining once at the end; WPipe cuts the model into ``2P`` partitions (rank ``r`` holds ``r`` and
-``r + P``) and overlaps the first half's next step with the current one. Which weights each microbatch sees, and hence each stage's delay, is
+``r + P``) and overlaps the first half's next step with the current one. Which weights each microbatch sees, and
+hence each stage's delay, is
 *derived* from these orders by :mod:`bubblefree.schedules.timeline`, and a test checks the result against the
 delay table the training uses (:func:`bubblefree.schedules.delays.stage_delays`).
 """

@@ -56,11 +56,11 @@ def draw_timelines(timelines: Sequence[Timeline], path: str | Path, *, max_micro
 
 def draw_panels(panels: Sequence[Panel], path: str | Path, *, max_microbatches: int = 64, dpi: int = 130) -> Path:
     """Write one PNG with the panels stacked on one time axis (colours and labels as :func:`draw_timelines`)."""
+    # Imported here: matplotlib costs half a second, which only a command that draws should spend.
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
     from matplotlib.patches import Patch
 
     width_in = 12.0

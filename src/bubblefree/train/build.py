@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from bubblefree.config import Config
+from bubblefree.config import Config, TrainConfig
 from bubblefree.data import eval_batches, get_batch
 from bubblefree.models.split import StageModule, param_stages, split_model
 from bubblefree.schedules.delays import n_partitions, parameter_delays
@@ -46,20 +46,19 @@ def autocast_for(dtype: str, device: torch.device) -> Callable[[], contextlib.Ab
     return contextlib.nullcontext
 
 
-def train_microbatch(config: Config, tokens: np.ndarray, step: int, index: int,
+def train_microbatch(cfg: TrainConfig, microbatches: int, tokens: np.ndarray, step: int, index: int,
                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Microbatch ``index`` (of ``pipeline.microbatches``, counted over all replicas) of step ``step``."""
-    cfg = config.train
+    """Microbatch ``index`` (of ``microbatches``, ``pipeline.microbatches`` counted over all replicas) of step
+    ``step``."""
     return get_batch(tokens, seed=cfg.seed, step=step, microbatch=index,
-                     batch_size=cfg.batch_size // config.pipeline.microbatches, seq_len=cfg.seq_len, device=device)
+                     batch_size=cfg.batch_size // microbatches, seq_len=cfg.seq_len, device=device)
 
 
-def validation_batches(config: Config, tokens: np.ndarray, device: torch.device,
+def validation_batches(cfg: TrainConfig, tokens: np.ndarray, device: torch.device,
                        split: str = "val") -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The ``train.eval_batches`` fixed validation batches of ``train.batch_size`` sequences; with
     ``train.test_split`` the even windows of them (``split`` "val") or the odd ones ("test"), in batches of
     ``train.batch_size`` (half as many batches, so a whole evaluation costs what one without the split does)."""
-    cfg = config.train
     if not cfg.test_split:
         if split != "val":
             raise ValueError(f"Invalid split: {split!r} (train.test_split is off)")

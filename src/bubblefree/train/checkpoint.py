@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from bubblefree import __version__
 from bubblefree.errors import UserError
 
 __all__ = ["CHECKPOINT_DIR", "config_digest", "latest_checkpoint", "list_checkpoints", "load_checkpoint",
@@ -113,8 +114,6 @@ def save_checkpoint(run_dir: str | Path, *, step: int, executor_state: dict[str,
     (and temporary files a killed process left behind); return the checkpoint's path."""
     if keep < 1:
         raise ValueError(f"Invalid keep: {keep} (must be >= 1)")
-    from bubblefree import __version__
-
     folder = Path(run_dir) / CHECKPOINT_DIR
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"step_{step:08d}.pt"
@@ -177,8 +176,6 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any] | None:
 def load_checkpoint(path: str | Path, *, map_location: str | torch.device = "cpu") -> dict[str, Any]:
     """Load a checkpoint written by :func:`save_checkpoint` after checking it against its manifest; a missing,
     truncated, altered or foreign file is a UserError naming it."""
-    from bubblefree import __version__
-
     path = Path(path)
     manifest = verify_checkpoint(path)
     try:

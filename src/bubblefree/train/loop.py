@@ -14,10 +14,12 @@ weights and the optimizer as they were and the loop counts the batch in ``skippe
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import random
 import signal
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,14 +28,27 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from bubblefree.config import (
+    Config,
+    apply_overrides,
+    config_diff,
+    config_from_dict,
+    config_to_dict,
+    dump_toml,
+    unused_keys,
+    validate,
+)
+from bubblefree.data import load_tokens
 from bubblefree.errors import TrainingDiverged, UserError
+from bubblefree.models import build_model
+from bubblefree.models.presets import PRESETS as MODEL_PRESETS
+from bubblefree.optim import resolve_defaults
 from bubblefree.optim.schedule import lr_scale
-from bubblefree.train.checkpoint import (CHECKPOINT_DIR, latest_checkpoint, load_checkpoint, restore_rng,
-                                         save_checkpoint)
-from bubblefree.config import (Config, apply_overrides, config_diff, config_from_dict, config_to_dict, dump_toml,
-                               unused_keys, validate)
+from bubblefree.train.build import resolve_device
+from bubblefree.train.checkpoint import CHECKPOINT_DIR, latest_checkpoint, load_checkpoint, restore_rng, save_checkpoint
 from bubblefree.train.executor import Executor
 from bubblefree.train.metrics import METRICS_FILE, MetricsWriter, plot_losses, progress_bar, tensorboard_writer
+from bubblefree.train.sim import SimExecutor
 
 __all__ = ["RESUMABLE_KEYS", "ExecutorFactory", "Interrupted", "SetupBarrier", "StopRule", "TrainingDiverged",
            "check_fresh_out_dir", "check_lengths", "resolved", "train"]
@@ -71,8 +86,6 @@ def _sim_executor(config: Config, model: torch.nn.Module, data: Any, out_dir: Pa
         raise UserError("Invalid pipeline.runtime: 'distributed' needs one process per stage: run it with "
                         "bubblefree train, under torchrun (python -m bubblefree.distributed) or with "
                         "bubblefree.distributed.launch_local")
-    from bubblefree.train.sim import SimExecutor
-
     return SimExecutor(config, model, data)
 
 
@@ -144,47 +157,27 @@ def _deferred_signals(one_process: bool):
 
 
 def _is_main_thread() -> bool:
-    import threading
-
     return threading.current_thread() is threading.main_thread()
 
 
 def resolved(config: Config, vocab_size: int) -> Config:
-    """``config`` with every "take the default" value replaced by the value the run uses: ``optim.lr = 0``,
-    ``optim.momentum < 0``, ``optim.adamw_lr = 0`` (Muon, MARS) and ``optim.max_precond_dim = 0`` (SOAP) by the
-    optimizer's defaults, ``model.vocab_size = 0`` by the tokenizer's ``vocab_size``, ``train.device`` and
-    ``train.dtype = "auto"`` by what auto picks here. It is what config.toml and checkpoints record: the
-    defaults are applied exactly as the optimizer's own defaults are, so the resolved config trains to the same
-    losses bit for bit. The Config a caller passes is not changed (run ids hash the caller's form)."""
-    import inspect
-
-    from bubblefree.optim import OPTIMIZERS
-    from bubblefree.optim.soap import SOAP
-    from bubblefree.train.sim import resolve_device
-
-    o = config.optim
-    spec = OPTIMIZERS[o.name]
+    """``config`` with every "take the default" value replaced by the value the run uses: the optimizer's
+    (``optim.registry.resolve_defaults``, the one place they are applied), ``model.vocab_size = 0`` by the
+    tokenizer's ``vocab_size``, ``train.device`` and ``train.dtype = "auto"`` by what auto picks here. It is
+    what config.toml and checkpoints record, and it trains to the same losses bit for bit. The Config a
+    caller passes is not changed (run ids hash the caller's form)."""
     device = resolve_device(config.train.device).type
-    values: dict[str, Any] = {
+    return apply_overrides(dataclasses.replace(config, optim=resolve_defaults(config.optim)), {
         "model.vocab_size": config.model.vocab_size or vocab_size,
-        "optim.lr": o.lr if o.lr > 0 else spec.lr,
-        "optim.momentum": o.momentum if o.momentum >= 0 else spec.momentum,
         "train.device": device,
         "train.dtype": config.train.dtype if config.train.dtype != "auto" else
         ("bfloat16" if device == "cuda" else "float32"),
-    }
-    if spec.route_key is not None and o.adamw_lr <= 0:
-        values["optim.adamw_lr"] = spec.adamw_lr
-    if spec.cls is SOAP and o.max_precond_dim <= 0:
-        values["optim.max_precond_dim"] = inspect.signature(SOAP).parameters["max_precond_dim"].default
-    return apply_overrides(config, values)
+    })
 
 
 def check_lengths(config: Config, data: Any = None) -> None:
     """Invalid input the config alone does not show: a sequence longer than the model takes, and (with
     ``data``) a split shorter than one sequence. Found here, before the run folder exists, not at step 1."""
-    from bubblefree.models.presets import PRESETS as MODEL_PRESETS
-
     seq_len = config.train.seq_len
     longest = MODEL_PRESETS[config.model.preset]().max_seq_len
     if seq_len > longest:
@@ -224,9 +217,6 @@ def _build(config: Config, out_dir: Path, resume: bool | str | Path, barrier: Se
     folder on a shared filesystem). Returns ``(executor, checkpoint or None, parameter counts, token data)``, the
     counts as ``{"params": all trainable, "params_non_embedding": without the vocabulary matrices}``.
     """
-    from bubblefree.data import load_tokens
-    from bubblefree.models import build_model
-
     failure, ckpt = None, None
     try:
         validate(config)
@@ -259,8 +249,6 @@ def _build(config: Config, out_dir: Path, resume: bool | str | Path, barrier: Se
 def _model_name(config: Config, counts: dict[str, int], data: Any) -> str:
     """The banner's model: the preset's name counts its parameters at its own vocabulary, so a run at another
     vocabulary (the smoke preset's 256 bytes) says so beside the count it trains."""
-    from bubblefree.models.presets import PRESETS as MODEL_PRESETS
-
     vocab = config.model.vocab_size or data.vocab_size
     own = MODEL_PRESETS[config.model.preset]().vocab_size
     at = "" if vocab == own else f" at vocabulary {vocab}"

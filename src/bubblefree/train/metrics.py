@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tqdm.auto import tqdm
+
 from bubblefree.errors import UserError
 
 __all__ = ["METRICS_FILE", "MetricsWriter", "plot_losses", "progress_bar", "read_metrics",
@@ -37,7 +39,7 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
 
 def tensorboard_writer() -> type:
     """``torch.utils.tensorboard.SummaryWriter``, or a UserError when the optional extra is not installed."""
-    try:
+    try:  # imported here: tensorboard is an optional extra
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         raise UserError("Invalid log.tensorboard: true needs the tensorboard package "
@@ -82,14 +84,13 @@ class MetricsWriter:
 
 def progress_bar(*, total: int, initial: int, enabled: bool):
     """A tqdm bar over optimizer steps; disabled when ``enabled`` is false or stderr is not a terminal."""
-    from tqdm.auto import tqdm
-
     return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True,
                 disable=not enabled or not sys.stderr.isatty())
 
 
 def plot_losses(metrics_path: str | Path, png_path: str | Path, *, title: str = "") -> None:
     """Plot training and validation loss against training tokens into a PNG (matplotlib, no display needed)."""
+    # Imported here: matplotlib costs half a second, which only the run's writer spends, once, at the end.
     import matplotlib
 
     matplotlib.use("Agg")

@@ -15,8 +15,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bubblefree.errors import UserError
 from bubblefree.config import Config, apply_overrides, config_from_dict, parse_override, read_toml, validate
+from bubblefree.errors import UserError
+from bubblefree.train.checkpoint import CHECKPOINT_DIR
 
 __all__ = ["PRESETS", "async_baseline", "demo", "get_preset", "load_config", "pipedream", "run_dir", "smoke",
            "sync_baseline", "train_config"]
@@ -111,8 +112,6 @@ def train_config(preset: str | None, config_file: str | None, overrides: list[st
 
 def run_dir(resume: str) -> Path:
     """The run folder of ``--resume``: the folder itself, or the run holding the checkpoint file it names."""
-    from bubblefree.train.checkpoint import CHECKPOINT_DIR
-
     path = Path(resume)
     if path.suffix == ".pt":
         if path.parent.name != CHECKPOINT_DIR:

@@ -26,8 +26,13 @@ from bubblefree.config import Config
 from bubblefree.delay import build_delayed
 from bubblefree.models import aux_loss_sum, token_loss
 from bubblefree.optim import build_optimizer, clip_stage_grads, set_lr_scale
-from bubblefree.train.build import (autocast_for, parameter_placement, resolve_device, train_microbatch,
-                                    validation_batches)
+from bubblefree.train.build import (
+    autocast_for,
+    parameter_placement,
+    resolve_device,
+    train_microbatch,
+    validation_batches,
+)
 from bubblefree.train.executor import StepStats
 
 __all__ = ["SimExecutor"]
@@ -69,7 +74,7 @@ class SimExecutor:
         aux: torch.Tensor | float = 0.0  # a device tensor (for MoE models): read once, after the backward
         with self.delayed.stale_params():
             for micro in range(n_micro):
-                x, y = train_microbatch(cfg, self.data.train, step, micro, self.device)
+                x, y = train_microbatch(cfg.train, n_micro, self.data.train, step, micro, self.device)
                 loss = self._loss(x, y)
                 (loss / n_micro).backward()
                 total += loss.detach()
@@ -90,7 +95,7 @@ class SimExecutor:
         """Mean cross-entropy over the fixed ``split`` batches (``build.validation_batches``) at the current
         weights."""
         self.model.eval()
-        batches = validation_batches(self.config, self.data.val, self.device, split)
+        batches = validation_batches(self.config.train, self.data.val, self.device, split)
         losses = [self._loss(x, y) for x, y in batches]
         return float(torch.stack(losses).mean())
 
