@@ -44,6 +44,7 @@ from bubblefree.experiments.sweeps import (
     sweep_table,
 )
 from bubblefree.optim import OPTIMIZERS
+from bubblefree.train.folders import check_ours, hold
 from bubblefree.train.loop import check_lengths
 
 __all__ = ["default_jobs", "report", "reproduce", "suite_tables", "tables", "with_base_overrides"]
@@ -92,6 +93,13 @@ def reproduce(suite: str, *, scale: str = "cpu", out: str | Path | None = None, 
     if sc.base.train.device == "cuda" and not torch.cuda.is_available():
         raise UserError(f"Invalid scale: {sc.name!r} needs a CUDA device and none is available")
     out = Path(out or f"results/{sc.name}")
+    check_ours(out, what="--out", marker="runs")  # a results folder, or a new or empty one
+    with hold(out, what="--out", create=True):  # one suite at a time writes a results folder
+        return _run_suite(suite, spec, sc, chosen, changed, out=out, jobs=jobs, progress=progress, command=command)
+
+
+def _run_suite(suite: str, spec: Suite, sc: Scale, chosen: tuple[str, ...], changed: dict[str, Any], *, out: Path,
+               jobs: int, progress: bool, command: str) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
     # The suite's runs depend on the rates the sweep picks: until then the bar's total is an estimate made
