@@ -97,8 +97,8 @@ def resolved_source(source: str) -> str:
 def fingerprint(data: TokenData) -> dict[str, object]:
     """What a run trains on, cheaply: the token count of each split and the sha256 of both token streams.
 
-    The hash reads the streams once (about a second per GB: the memmapped arrays are hashed in place, no
-    copy), which is less than tokenizing or the first steps cost. It identifies the tokens, not the files,
+    The hash reads the streams once (about 1 GiB per CPU second, docs/reliability.md: the memmapped arrays
+    are hashed in place, no copy), which is less than tokenizing or the first steps cost. It identifies the tokens, not the files,
     so moved or re-tokenized-alike data matches while any changed token does not."""
     digest = hashlib.sha256()
     for split in (data.train, data.val):

@@ -91,9 +91,9 @@ def hold(folder: str | Path, *, what: str, shared: bool = False, create: bool = 
             yield
         finally:
             del _held[key]
-            if made and {p.name for p in folder.iterdir()} <= {LOCK_FILE}:
-                lock_file.unlink(missing_ok=True)
-                with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError):  # best effort: a folder that cannot be tidied is only empty
+                if made and {p.name for p in folder.iterdir()} <= {LOCK_FILE}:
+                    lock_file.unlink()
                     folder.rmdir()
     finally:
         os.close(fd)  # releases the lock

@@ -321,6 +321,8 @@ def resume_hint(out_dir: Path) -> str:
     manifest) and the command, or how to start over when it has none yet."""
     good = last_good_checkpoint(out_dir)
     again = f"--resume {shlex.quote(str(out_dir))}"
+    if not (out_dir / CONFIG_FILE).is_file():  # stopped before the run's first file: a fresh start is the same
+        return "nothing of the run was written yet (run the same command again)"
     if good is None:
         return f"no checkpoint was written yet (start over with {again})"
     newest = latest_checkpoint(out_dir)
