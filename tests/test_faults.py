@@ -105,7 +105,8 @@ def _ckpt(run: Path, step: int) -> str:
 
 # One writer per run folder -----------------------------------------------------------------------------
 
-def _wait(predicate, proc: subprocess.Popen, what: str, timeout: float = 120) -> None:
+def _wait(predicate, proc: subprocess.Popen, what: str, timeout: float = 600) -> None:
+    # Generous: on a loaded machine a subprocess's start (torch import, data) has taken minutes.
     deadline = time.monotonic() + timeout
     while not predicate():
         assert proc.poll() is None, f"the process ended before {what}: {proc.communicate()}"
