@@ -55,8 +55,12 @@ def places(tmp_path_factory) -> dict[str, Path]:
     (bare / "checkpoints" / "step_00000006.json").unlink()
     (root / "bad.toml").write_text("[train\nsteps = \n")
     (root / "short.txt").write_text("A text file far shorter than one sequence of the smoke preset.\n" * 3)
+    mine = root / "mine"  # a folder of the user's own files
+    mine.mkdir()
+    (mine / "loss.png").write_bytes(b"the user's own plot")
+    (mine / "notes.txt").write_text("notes")
     return {"RUN": run, "DAMAGED": damaged, "BARE": bare, "NEW": root / "new", "BADTOML": root / "bad.toml",
-            "SHORT": root / "short.txt"}
+            "SHORT": root / "short.txt", "MINE": mine, "LONG": root / ("x" * 300)}
 
 
 def _digest(root: Path) -> dict[str, str]:
@@ -76,7 +80,7 @@ def _run(argv: list[str]) -> tuple[int, str]:
 
 
 def _substitute(text: str, places: dict[str, Path]) -> str:
-    return re.sub(r"\b(RUN|DAMAGED|BARE|NEW|BADTOML|SHORT)\b", lambda m: str(places[m.group(1)]), text)
+    return re.sub(r"\b(RUN|DAMAGED|BARE|NEW|BADTOML|SHORT|MINE|LONG)\b", lambda m: str(places[m.group(1)]), text)
 
 
 def _check_refused(argv: list[str], places: dict[str, Path], code: int = 2) -> str:

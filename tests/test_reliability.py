@@ -212,13 +212,16 @@ def test_damaged_checkpoint_is_refused_and_the_previous_one_resumes_exactly(fini
     err = capsys.readouterr().err
     assert str(newest) in err and ("truncated" in err if damage == "truncated" else "altered" in err)
     previous = finished_run / "checkpoints" / "step_00000006.pt"
-    assert f"--resume {previous}" in err and "Traceback" not in err
+    assert f"--resume {previous} --branch" in err and "Traceback" not in err
     assert (finished_run / "metrics.jsonl").read_bytes() == before
 
     want = read_metrics(finished_run / "metrics.jsonl")
-    assert main(["train", "--resume", str(previous)]) == 0  # recomputes steps 7-9, replacing the damaged file
+    # The hint as printed: recomputes steps 7-9; the damaged file is moved aside, byte for byte, not deleted.
+    assert main(["train", "--resume", str(previous), "--branch"]) == 0
     assert _without_timing(read_metrics(finished_run / "metrics.jsonl")) == _without_timing(want)
     assert load_checkpoint(newest)["step"] == 9
+    aside, = (finished_run / "superseded").iterdir()
+    assert (aside / "checkpoints" / newest.name).read_bytes() != newest.read_bytes()
 
 
 def test_resume_lists_every_key_that_differs(finished_run, capsys):

@@ -1,7 +1,7 @@
 """The ``bubblefree`` command (docs/training.md, docs/schedules.md, docs/throughput.md, docs/results.md).
 
     bubblefree train [--preset NAME] [--config FILE.toml] [--set KEY=VALUE ...] [--out DIR]
-                     [--resume DIR | --resume DIR/checkpoints/step_NNNNNNNN.pt]
+                     [--resume DIR | --resume DIR/checkpoints/step_NNNNNNNN.pt [--branch]] [--data-moved]
     bubblefree simulate --stages P --microbatches M --schedules a,b,... [--costs F:B:W[:U]] [--steps T] [--out DIR]
     bubblefree bench {train,optim,delay,pipeline,time-to-loss,device} [--out DIR] [--tiny]
     bubblefree reproduce SUITE [--scale smoke|cpu|long|gpu] [--out DIR] [--seeds N] [--optimizers A,B,...]
@@ -9,22 +9,27 @@
     bubblefree export RUN_OR_CHECKPOINT --format hf --out DIR
 
 Exit codes: 0 success; 2 invalid input (one line on stderr naming the problem, nothing written or
-overwritten); 1 an internal failure (with its traceback); 3 training diverged (a non-finite loss or gradient
-norm, one line naming the step and the last good checkpoint); 130 interrupted (after a checkpoint when one
-could be taken; SIGTERM alike). docs/reliability.md lists the bad-input cases and their messages.
+overwritten; a run folder another process writes is invalid input too); 1 an internal failure (with its
+traceback); 3 training diverged (a non-finite loss or gradient norm, or a final validation loss that is not
+finite: one line naming the step and the last good checkpoint); 4 the filesystem refused a write (read-only,
+full, a name too long: one line naming the file and the last good checkpoint); 130 interrupted (after a
+checkpoint when one could be taken; SIGTERM alike). docs/reliability.md lists the cases and their messages.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import os
+import shlex
+import signal
 import sys
 import time
 from pathlib import Path
 
 from bubblefree import __version__
-from bubblefree.errors import UserError, exit_code
+from bubblefree.errors import TrainingDiverged, UserError, exit_code
 
 # Each command imports what it runs inside its function: torch alone takes two seconds to import, which
 # `bubblefree --help` and a rejected argument should not wait for.
@@ -62,6 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
                                                     "must not already hold a run")
     train.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its newest checkpoint, "
                                                        "or from the checkpoint file DIR/checkpoints/step_N.pt")
+    train.add_argument("--branch", action="store_true",
+                       help="with --resume of an older checkpoint: continue from it although the run went on; "
+                            "its newer checkpoints and a copy of metrics.jsonl are moved to DIR/superseded/ "
+                            "(nothing is deleted)")
+    train.add_argument("--data-moved", action="store_true",
+                       help="with --resume: continue on data at another path (a new data.source may be set) "
+                            "whose tokens are the run's own (checked)")
 
     simulate = commands.add_parser(
         "simulate", help="compare pipeline schedules on paper: bubbles, delays, memory, timeline pictures",
@@ -74,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
                           help="forward, input-gradient, weight-gradient and optional optimizer-update times "
                                "(default 1:1:1)")
     simulate.add_argument("--steps", type=int, default=8, metavar="T", help="optimizer steps (default 8)")
-    simulate.add_argument("--out", metavar="DIR", help="write timeline.png and simulate.json here")
+    simulate.add_argument("--out", metavar="DIR", help="write timeline.png and simulate.json here (a new or empty "
+                                                         "folder, or one of an earlier simulate)")
 
     bench = commands.add_parser(
         "bench", help="run a benchmark and print a side-by-side table",
@@ -123,6 +136,9 @@ def _train(args: argparse.Namespace) -> int:
     from bubblefree.train.loop import check_fresh_out_dir, train
     from bubblefree.train.presets import run_dir, train_config
 
+    for flag, given in (("--branch", args.branch), ("--data-moved", args.data_moved)):
+        if given and args.resume is None:
+            raise UserError(f"Invalid {flag}: it goes with --resume (a new run has nothing to continue)")
     config = train_config(args.preset, args.config, args.overrides, args.resume)
     resume: bool | Path = args.resume is not None
     if resume:
@@ -134,16 +150,22 @@ def _train(args: argparse.Namespace) -> int:
     else:
         out_dir = Path(args.out or f"runs/{args.preset or 'demo'}-{time.strftime('%Y%m%d-%H%M%S')}")
         check_fresh_out_dir(out_dir)
+    options = {"resume": resume, "branch": args.branch, "data_moved": args.data_moved}
     if config.pipeline.runtime == "distributed":
         # One process per stage; every rank runs this same training loop with the distributed executor.
         from bubblefree.distributed import launch_local, run_worker
 
         if "RANK" in os.environ:  # started by torchrun: this process is one rank
-            run_worker(config, out_dir=out_dir, resume=resume)
+            run_worker(config, out_dir=out_dir, **options)
         else:
-            launch_local(config, out_dir, resume=resume)
-    else:
-        train(config, out_dir=out_dir, resume=resume)
+            launch_local(config, out_dir, **options)
+        return 0
+    summary = train(config, out_dir=out_dir, **options)
+    if not math.isfinite(summary["final_val_loss"]):  # e.g. train.nonfinite = skip skipped (nearly) every batch
+        skipped = " after skipping batches (train.nonfinite = skip)" if config.train.nonfinite == "skip" else ""
+        raise TrainingDiverged(f"training ended at step {summary['steps']} with a final validation loss of "
+                               f"{summary['final_val_loss']}{skipped}: the model is not usable; outputs in "
+                               f"{shlex.quote(str(out_dir))}")
     return 0
 
 
@@ -159,6 +181,10 @@ def _simulate(args: argparse.Namespace) -> int:
             build_schedule(name, args.stages, args.microbatches, steps=args.steps)
     except ValueError as e:
         raise UserError(str(e)) from None
+    if args.out is not None:  # its own earlier output may be replaced, nothing else
+        from bubblefree.train.folders import check_ours
+
+        check_ours(Path(args.out), what="--out", ours=("timeline.png",), marker="simulate.json")
     simulate_schedules(schedules, stages=args.stages, microbatches=args.microbatches, costs=costs,
                        steps=args.steps, out=args.out)
     return 0
@@ -237,11 +263,25 @@ def _reproduce(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; return the exit code (the console script exits with it)."""
     args = build_parser().parse_args(argv)
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous is signal.SIG_DFL and _main_thread():
+        # SIGTERM as Ctrl-C: before and after a run's training loop (which defers both to a step boundary)
+        # it ends the command with exit code 130 and one line, not with the kernel's 143.
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         return {"train": _train, "simulate": _simulate, "bench": _bench, "reproduce": _reproduce,
                 "export": _export}[args.command](args)
     except (Exception, KeyboardInterrupt) as e:
         return exit_code(e)
+    finally:
+        if previous is signal.SIG_DFL and _main_thread():
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ latent attention), and an export that computes something else would be worse tha
 
 from __future__ import annotations
 
+import shlex
 import shutil
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ from bubblefree.errors import UserError
 from bubblefree.models import build_model
 from bubblefree.models.llama import to_hf_llama
 from bubblefree.train.checkpoint import latest_checkpoint, load_checkpoint
+from bubblefree.train.folders import hold
 
 __all__ = ["byte_tokenizer", "export_hf", "load_run_model"]
 
@@ -47,10 +49,15 @@ def _checkpoint_path(source: str | Path) -> Path:
     return newest
 
 
+def _export_instead(path: Path) -> str:
+    return f"export the previous one: bubblefree export {shlex.quote(str(path))} --out DIR"
+
+
 def load_run_model(source: str | Path) -> tuple[Any, Any, Any]:
-    """``(model, tokenizer, config)`` of a run's newest checkpoint, or of checkpoint file ``source``."""
+    """``(model, tokenizer, config)`` of a run's newest checkpoint, or of checkpoint file ``source``; only a
+    checkpoint its manifest vouches for (weights of unknown provenance are not handed on as a model)."""
     path = _checkpoint_path(source)
-    ckpt = load_checkpoint(path)
+    ckpt = load_checkpoint(path, advice_for=_export_instead, verified=True)
     config = config_from_dict(ckpt["config"], origin=f"checkpoint {path}")
     data = load_tokens(config.data)
     model = build_model(config.model.preset, vocab_size=config.model.vocab_size or data.vocab_size)
@@ -97,7 +104,11 @@ def export_hf(source: str | Path, out: str | Path) -> Path:
     out = Path(out)
     if out.exists():
         raise UserError(f"Invalid --out: {out} already exists (export writes a new folder)")
-    model, tokenizer, config = load_run_model(source)
+    run = Path(source).parent.parent if Path(source).suffix == ".pt" else Path(source)
+    if not run.is_dir():
+        raise UserError(f"Invalid export source: {source} is neither a run folder nor a checkpoint file")
+    with hold(run, what="export source", shared=True):  # no run writes its checkpoints while they are read
+        model, tokenizer, config = load_run_model(source)
     if model.args.n_experts:
         raise UserError(f"Invalid export: {config.model.preset} is a mixture of experts with an ungated shared "
                         f"expert, which no Hugging Face architecture computes exactly (Mixtral has no shared "

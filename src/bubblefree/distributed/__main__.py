@@ -5,9 +5,9 @@ One process per stage (and replica); every rank runs the training loop, global r
 ``--resume`` reads the run's own config.toml on every rank (so a multi-node resume needs the run folder on a
 filesystem all nodes share), like ``bubblefree train --resume``; ``--resume --out DIR`` is the same as
 ``--resume DIR``. Failures end the process with the exit codes of ``bubblefree train``
-(``bubblefree.errors.exit_code``): 2 invalid input, 3 a diverged run, 130 stopped by SIGINT or SIGTERM at a
-step boundary after a checkpoint, 1 a bug. The one-line messages of the first three come from the first
-process of each node (``LOCAL_RANK`` 0) only: every rank knows them (the ranks agree on failures at setup), so
+(``bubblefree.errors.exit_code``): 2 invalid input, 3 a diverged run, 4 a filesystem that refused a write,
+130 stopped by SIGINT or SIGTERM at a step boundary after a checkpoint, 1 a bug. The one-line messages of
+the first three come from the first process of each node (``LOCAL_RANK`` 0) only: every rank knows them (the ranks agree on failures at setup), so
 a failure is one line per node, not one per rank.
 """
 
@@ -19,7 +19,7 @@ import sys
 
 from bubblefree.config import validate
 from bubblefree.distributed.launch import exit_at_once, run_worker
-from bubblefree.errors import TrainingDiverged, UserError, exit_code
+from bubblefree.errors import FILESYSTEM_ERRNOS, FileSystemFault, TrainingDiverged, UserError, exit_code
 from bubblefree.train.presets import run_dir, train_config
 
 __all__: list[str] = []
@@ -34,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None)
     parser.add_argument("--resume", nargs="?", const="", default=None, metavar="DIR",
                         help="continue the run in DIR (default: --out), or from DIR/checkpoints/step_N.pt")
+    parser.add_argument("--branch", action="store_true", help="as bubblefree train --branch")
+    parser.add_argument("--data-moved", action="store_true", help="as bubblefree train --data-moved")
     args = parser.parse_args(argv)
     try:
         resume = args.resume if args.resume else args.out if args.resume == "" else None
@@ -48,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         if resume is not None and args.out is not None and os.path.abspath(args.out) != os.path.abspath(out_dir):
             raise UserError(f"Invalid --out: {args.out} (a resumed run writes to its own folder {out_dir})")
         run_worker(config, out_dir=out_dir, resume=resume if resume and resume.endswith(".pt") else
-                   resume is not None)
+                   resume is not None, branch=args.branch, data_moved=args.data_moved)
     except (Exception, KeyboardInterrupt) as e:
         # Every rank knows a user error, a divergence or a stop: the first process of each node says it.
         speaks = os.environ.get("LOCAL_RANK", "0") == "0" or exit_code_of(e) == 1
@@ -62,6 +64,8 @@ def exit_code_of(e: BaseException) -> int:
         return 2
     if isinstance(e, KeyboardInterrupt):
         return 130
+    if isinstance(e, FileSystemFault) or (isinstance(e, OSError) and e.errno in FILESYSTEM_ERRNOS):
+        return 4
     return 3 if isinstance(e, TrainingDiverged) else 1
 
 

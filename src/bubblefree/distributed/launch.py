@@ -17,10 +17,14 @@
 * A :class:`~bubblefree.errors.UserError` (invalid input found inside a rank, e.g. a schedule the runtime
   does not run) stays one: :func:`launch_local` re-raises it with its one-line message, so the CLI exits 2,
   and the watchdogs stop the other ranks without printing.
+* The run folder has one writer (``train.folders.hold``): :func:`launch_local` holds its lock before it
+  touches the folder or starts a rank, for the life of the run; under torchrun, global rank 0 holds it, taken
+  before it touches the folder (a refused rank 0 exits 2 at once and torchrun's agent stops the others).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -45,9 +49,9 @@ from bubblefree.distributed.faults import maybe_fault
 from bubblefree.distributed.mesh import agree, init_backend
 from bubblefree.distributed.p2p import PeerFailure, timeout_s
 from bubblefree.distributed.stop import StopAgreement
-from bubblefree.errors import TrainingDiverged, UserError
-from bubblefree.train.checkpoint import latest_checkpoint
-from bubblefree.train.loop import Interrupted, train
+from bubblefree.errors import FileSystemFault, TrainingDiverged, UserError
+from bubblefree.train.folders import hold
+from bubblefree.train.loop import Interrupted, check_fresh_out_dir, resume_hint, train
 
 __all__ = ["PipelineFailure", "exit_at_once", "launch_local", "run_worker"]
 
@@ -72,6 +76,7 @@ def _write_error(out_dir: Path, rank: int, exc: BaseException) -> None:
               "peer": exc.peer if isinstance(exc, PeerFailure) else None,
               "user_error": str(exc) if isinstance(exc, UserError) else None,
               "diverged": str(exc) if isinstance(exc, TrainingDiverged) else None,
+              "filesystem": str(exc) if isinstance(exc, FileSystemFault) else None,
               "traceback": "".join(traceback.format_exception(exc))[-4000:]}
     tmp = folder / f".rank{rank}.tmp"
     tmp.write_text(json.dumps(record))
@@ -135,10 +140,23 @@ def _executor(config: Config, model: torch.nn.Module, data: object, out_dir: Pat
     return DistributedExecutor(config, model, data, out_dir=out_dir)
 
 
-def run_worker(config: Config, *, out_dir: str | Path, resume: bool | str | Path = False) -> None:
-    """Body of one process of a run (environment from torchrun or :func:`launch_local`)."""
+def run_worker(config: Config, *, out_dir: str | Path, resume: bool | str | Path = False, branch: bool = False,
+               data_moved: bool = False, launched: bool = False) -> None:
+    """Body of one process of a run (environment from torchrun, or from :func:`launch_local`: ``launched``,
+    whose launcher holds the run folder's lock; under torchrun rank 0 takes it here)."""
     out_dir = Path(out_dir)
     rank = int(os.environ["RANK"])
+    with contextlib.ExitStack() as held:
+        if rank == 0 and not launched:
+            if not resume:
+                check_fresh_out_dir(out_dir)
+            held.enter_context(hold(out_dir, what="--resume" if resume else "--out", create=not resume))
+        _run_rank(config, out_dir, rank, resume=resume, branch=branch, data_moved=data_moved)
+
+
+def _run_rank(config: Config, out_dir: Path, rank: int, *, resume: bool | str | Path, branch: bool,
+              data_moved: bool) -> None:
+
     _watchdog(out_dir, rank)
     try:
         maybe_fault(rank, when="start")
@@ -146,8 +164,8 @@ def run_worker(config: Config, *, out_dir: str | Path, resume: bool | str | Path
         # every rank alike (the ranks agree on the config).
         cuda = config.train.device != "cpu" and torch.cuda.is_available()
         init_backend(timeout_s=timeout_s(), device_type="cuda" if cuda else "cpu")
-        train(config, out_dir=out_dir, resume=resume, barrier=_agree, executor=_executor,
-              stop=StopAgreement(config.pipeline.stages))
+        train(config, out_dir=out_dir, resume=resume, branch=branch, data_moved=data_moved, lock=False,
+              barrier=_agree, executor=_executor, stop=StopAgreement(config.pipeline.stages))
         if dist.is_initialized():
             dist.destroy_process_group()
     except Interrupted:  # every rank stopped at the same step after a checkpoint: not a failure to report
@@ -171,12 +189,12 @@ def exit_at_once(code: int) -> None:
 
 
 def _spawned(index: int, config: Config, out_dir: str, nprocs: int, port: int, resume: bool | str | Path,
-             threads: int) -> None:
+             threads: int, branch: bool, data_moved: bool) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(index), LOCAL_RANK=str(index),
                       WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs))
     torch.set_num_threads(threads)
     try:
-        run_worker(config, out_dir=out_dir, resume=resume)
+        run_worker(config, out_dir=out_dir, resume=resume, branch=branch, data_moved=data_moved, launched=True)
     except Interrupted:  # the launcher says where the checkpoint is; a normal exit releases what spawn shared
         sys.exit(130)
     except BaseException:  # recorded by run_worker; launch_local reads the record, not this exit code
@@ -184,20 +202,29 @@ def _spawned(index: int, config: Config, out_dir: str, nprocs: int, port: int, r
 
 
 def launch_local(config: Config, out_dir: str | Path, nprocs: int | None = None, *,
-                 resume: bool | str | Path = False) -> None:
+                 resume: bool | str | Path = False, branch: bool = False, data_moved: bool = False) -> None:
     """Run ``config`` with ``nprocs`` local processes (default ``pipeline.stages``; a multiple of it gives
     ``nprocs / P`` data-parallel replicas). Raises :class:`PipelineFailure` naming the first failed rank, or
-    the :class:`~bubblefree.errors.UserError` a rank raised."""
+    the :class:`~bubblefree.errors.UserError` a rank raised. The launcher holds the run folder's lock for the
+    life of the run (``resume``, ``branch``, ``data_moved``: as :func:`bubblefree.train.train` takes them)."""
     nprocs = nprocs or config.pipeline.stages
     if nprocs < 1 or nprocs % config.pipeline.stages:
         raise ValueError(f"Invalid nprocs: {nprocs} (must be a multiple of pipeline.stages = {config.pipeline.stages})")
     config = dataclasses.replace(config, pipeline=dataclasses.replace(config.pipeline, runtime="distributed"))
     validate(config, replicas=nprocs // config.pipeline.stages)
     out_dir = Path(out_dir)
-    fresh = not out_dir.exists()
+    if not resume:
+        check_fresh_out_dir(out_dir)
+    with hold(out_dir, what="--resume" if resume else "--out", create=not resume):
+        _launch(config, out_dir, nprocs, resume=resume, branch=branch, data_moved=data_moved)
+
+
+def _launch(config: Config, out_dir: Path, nprocs: int, *, resume: bool | str | Path, branch: bool,
+            data_moved: bool) -> None:
     shutil.rmtree(out_dir / ERRORS_DIR, ignore_errors=True)  # an earlier attempt's failures are not this run's
     threads = max(1, (os.cpu_count() or 1) // nprocs)
-    ctx = mp.start_processes(_spawned, args=(config, str(out_dir), nprocs, _free_port(), resume, threads),
+    ctx = mp.start_processes(_spawned, args=(config, str(out_dir), nprocs, _free_port(), resume, threads, branch,
+                                             data_moved),
                              nprocs=nprocs, join=False, start_method="spawn")
     # join() logs a warning for every process it terminates after a failure; the failure raised below names
     # the rank and cause in one line, which a user error must be alone in saying.
@@ -205,11 +232,14 @@ def launch_local(config: Config, out_dir: str | Path, nprocs: int | None = None,
     signals = {"count": 0}
 
     def forward(signum, frame):
-        # The ranks stop together at a step boundary (bubblefree.distributed.stop); a second signal ends them now.
+        # The ranks stop together at a step boundary (bubblefree.distributed.stop); they have the news with the
+        # first signal, and further ones change nothing (to end them at once: SIGKILL this launcher, and its
+        # ranks exit within a second; the resume from the last checkpoint is exact).
         signals["count"] += 1
-        for process in ctx.processes:
-            if process.is_alive():
-                os.kill(process.pid, signal.SIGTERM if signals["count"] == 1 else signal.SIGKILL)
+        if signals["count"] == 1:
+            for process in ctx.processes:
+                if process.is_alive():
+                    os.kill(process.pid, signal.SIGTERM)
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -222,13 +252,14 @@ def launch_local(config: Config, out_dir: str | Path, nprocs: int | None = None,
         if _user_error(out_dir):
             message = _user_error(out_dir)
             # Invalid input leaves nothing behind: the error records were only the ranks' way to stop together.
-            shutil.rmtree(out_dir / ERRORS_DIR, ignore_errors=True)
-            if fresh and out_dir.is_dir() and not any(out_dir.iterdir()):
-                out_dir.rmdir()
+            shutil.rmtree(out_dir / ERRORS_DIR, ignore_errors=True)  # (hold removes a new folder left empty)
             raise UserError(message) from None
         diverged = [r["diverged"] for r in own_errors if r.get("diverged")]
         if diverged:  # the writer stopped the run on a non-finite loss: the CLI's exit code 3, not a crash
             raise TrainingDiverged(diverged[0]) from None
+        refused = [r["filesystem"] for r in own_errors if r.get("filesystem")]
+        if refused:  # the writer's filesystem refused a write (read-only, full): exit code 4, one line
+            raise FileSystemFault(refused[0]) from None
         if isinstance(exc, ProcessExitedException) and exc.signal_name and not own_errors:
             cause = f"rank {exc.error_index} was killed by {exc.signal_name}"
         else:
@@ -240,6 +271,4 @@ def launch_local(config: Config, out_dir: str | Path, nprocs: int | None = None,
 
 
 def _interrupted(out_dir: Path) -> BaseException:
-    newest = latest_checkpoint(out_dir)
-    where = f"checkpoint {newest}" if newest else "no checkpoint was written yet"
-    return Interrupted(f"interrupted; {where}; continue with --resume {out_dir}")
+    return Interrupted(f"interrupted; {resume_hint(out_dir)}")

@@ -45,6 +45,7 @@ from bubblefree.experiments.sweeps import (
     sweep_table,
 )
 from bubblefree.optim import OPTIMIZERS
+from bubblefree.train.folders import check_ours, hold
 from bubblefree.train.loop import check_lengths
 
 __all__ = ["default_jobs", "report", "reproduce", "suite_tables", "tables", "with_base_overrides"]
@@ -95,6 +96,16 @@ def reproduce(suite: str, *, scale: str = "cpu", out: str | Path | None = None, 
     if sc.base.train.device == "cuda" and not torch.cuda.is_available():
         raise UserError(f"Invalid scale: {sc.name!r} needs a CUDA device and none is available")
     out = Path(out or f"results/{sc.name}")
+    check_ours(out, what="--out", marker="runs")  # a results folder, or a new or empty one
+    # One process per suite and results folder (two suites may fill one folder at once: their runs are
+    # separate files, and a run both need is trained once, the second refused by the run's own lock).
+    with hold(out / "work" / suite, what=f"--out (suite {suite})", create=True):
+        return _run_suite(suite, spec, sc, chosen, changed, out=out, jobs=jobs, progress=progress, command=command)
+
+
+def _run_suite(suite: str, spec: Suite, sc: Scale, chosen: tuple[str, ...], changed: dict[str, Any], *, out: Path,
+               jobs: int, progress: bool, command: str) -> dict[str, Any]:
+
     # The suite's runs depend on the rates the sweep picks: until then the bar's total is an estimate made
     # at the default rates, set exactly once the sweep is done.
     if spec.cells:  # every cell's sweep and its reported seeds, one run per seed at one rate (extra ones added)

@@ -18,12 +18,16 @@ Files are loaded with ``torch.load(weights_only=True)``: tensors and plain conta
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import random
 import re
+import shlex
+import shutil
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +37,9 @@ import torch
 from bubblefree import __version__
 from bubblefree.errors import UserError
 
-__all__ = ["CHECKPOINT_DIR", "config_digest", "latest_checkpoint", "list_checkpoints", "load_checkpoint",
-           "manifest_path", "restore_rng", "rng_state", "save_checkpoint", "verify_checkpoint"]
+__all__ = ["CHECKPOINT_DIR", "config_digest", "last_good_checkpoint", "latest_checkpoint", "list_checkpoints",
+           "load_checkpoint", "manifest_path", "newer_checkpoints", "restore_rng", "resume_from", "rng_state",
+           "save_checkpoint", "set_aside", "verify_checkpoint"]
 
 CHECKPOINT_DIR = "checkpoints"
 _NAME = re.compile(r"^step_(\d{8})\.pt$")
@@ -94,10 +99,15 @@ def _fsync_dir(folder: Path) -> None:
 
 
 def _write_synced(path: Path, write) -> None:
-    with path.open("wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with path.open("wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:  # a full disk shows at a write, a flush or the close, without the file's name
+        if e.filename is None:
+            raise OSError(e.errno, e.strerror, str(path)) from None
+        raise
 
 
 def _sha256(path: Path) -> str:
@@ -121,15 +131,16 @@ def save_checkpoint(run_dir: str | Path, *, step: int, executor_state: dict[str,
     payload = {"format": 1, "step": step, "config": config, "executor": executor_state, "rng": rng_state(),
                "loop": loop_state or {}}
     try:
-        _write_synced(tmp, lambda f: torch.save(payload, f))
+        _write_synced(tmp, lambda f: _save_torch(payload, f, tmp))
         manifest = {"step": step, "file": path.name, "bytes": tmp.stat().st_size, "sha256": _sha256(tmp),
                     "config_sha256": config_digest(config), "bubblefree": __version__, "torch": torch.__version__}
         _write_synced(tmp_manifest, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
         os.replace(tmp_manifest, manifest_path(path))
         os.replace(tmp, path)
     finally:
-        tmp.unlink(missing_ok=True)
-        tmp_manifest.unlink(missing_ok=True)
+        for leftover in (tmp, tmp_manifest):
+            with contextlib.suppress(OSError):  # a read-only folder refuses this too: the first error is the news
+                leftover.unlink(missing_ok=True)
     _fsync_dir(folder)
     for _, old in list_checkpoints(run_dir)[:-keep]:
         old.unlink()
@@ -141,16 +152,71 @@ def save_checkpoint(run_dir: str | Path, *, step: int, executor_state: dict[str,
     return path
 
 
-def _damaged(path: Path, why: str) -> UserError:
-    """The refusal of a damaged checkpoint: names it, why, and the previous checkpoint to resume from."""
+def _save_torch(payload: dict[str, Any], f, name: Path) -> None:
+    """``torch.save``, with a failed write reported as the OSError it is: torch raises a RuntimeError of its
+    own ("unexpected pos ...") with the ENOSPC only in its context, and without the file's name."""
+    try:
+        torch.save(payload, f)
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, str(name)) from None
+    except RuntimeError as e:
+        cause = e.__cause__ or e.__context__
+        if isinstance(cause, OSError):
+            raise OSError(cause.errno, cause.strerror, str(name)) from None
+        raise
+
+
+def last_good_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest checkpoint a manifest vouches for (its size matches; the sha256 is checked on load), or
+    None: a checkpoint without a manifest may be anything, so it is never called good."""
+    for _, path in reversed(list_checkpoints(run_dir)):
+        try:
+            manifest = json.loads(manifest_path(path).read_text())
+            if path.stat().st_size == manifest["bytes"]:
+                return path
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return None
+
+
+def newer_checkpoints(run_dir: str | Path, step: int) -> list[Path]:
+    """The run's checkpoints past ``step``: the lineage a resume from ``step`` would overwrite."""
+    return [p for s, p in list_checkpoints(run_dir) if s > step]
+
+
+def set_aside(run_dir: str | Path, step: int, files: tuple[str, ...]) -> Path:
+    """Move the run's checkpoints past ``step`` (with their manifests) to ``RUN/superseded/<time>-after-step-N``
+    and copy ``files`` of the run folder there (metrics.jsonl, loss.png: the continued run keeps their lines up
+    to ``step``). Nothing is deleted; returns the folder."""
+    run_dir = Path(run_dir)
+    aside = run_dir / "superseded" / f"{time.strftime('%Y%m%d-%H%M%S')}-after-step-{step}"
+    (aside / CHECKPOINT_DIR).mkdir(parents=True)
+    for name in files:
+        if (run_dir / name).is_file():
+            shutil.copy2(run_dir / name, aside / name)
+    for path in newer_checkpoints(run_dir, step):
+        for part in (manifest_path(path), path):
+            if part.exists():
+                os.replace(part, aside / CHECKPOINT_DIR / part.name)
+    _fsync_dir(run_dir / CHECKPOINT_DIR)
+    return aside
+
+
+def resume_from(path: Path) -> str:
+    """How ``bubblefree train`` continues from the earlier checkpoint ``path`` (the newer ones moved aside)."""
+    return f"resume from the previous one with --resume {shlex.quote(str(path))} --branch"
+
+
+def _damaged(path: Path, why: str, advice_for=resume_from) -> UserError:
+    """The refusal of a damaged checkpoint: names it, why, and what to do with the previous checkpoint
+    (``advice_for``: the command at hand's own option; ``bubblefree train`` resumes from it)."""
     older = [p for _, p in list_checkpoints(path.parent.parent) if p.name < path.name]
-    advice = (f"resume from the previous one with --resume {older[-1]}" if older else
-              "no earlier checkpoint of this run is left")
+    advice = advice_for(older[-1]) if older else "no earlier checkpoint of this run is left"
     return UserError(f"Invalid checkpoint: {path} {why}; it is refused ({advice}, or delete {path.name} and "
                      f"its manifest to make the previous one the newest)")
 
 
-def verify_checkpoint(path: str | Path) -> dict[str, Any] | None:
+def verify_checkpoint(path: str | Path, *, advice_for=resume_from) -> dict[str, Any] | None:
     """Check ``path`` against its manifest (size and sha256); return the manifest, or None when there is none.
 
     Raises a UserError naming the file when it is missing, truncated or altered."""
@@ -162,28 +228,33 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any] | None:
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:
-        raise _damaged(path, f"has an unreadable manifest {manifest_path(path).name} ({e})") from None
+        raise _damaged(path, f"has an unreadable manifest {manifest_path(path).name} ({e})", advice_for) from None
     if not isinstance(manifest, dict) or not {"bytes", "sha256"} <= set(manifest):
-        raise _damaged(path, f"has an unreadable manifest {manifest_path(path).name}")
+        raise _damaged(path, f"has an unreadable manifest {manifest_path(path).name}", advice_for)
     size = path.stat().st_size
     if size != manifest["bytes"]:
-        raise _damaged(path, f"is truncated or altered ({size} bytes, its manifest says {manifest['bytes']})")
+        raise _damaged(path, f"is truncated or altered ({size} bytes, its manifest says {manifest['bytes']})",
+                       advice_for)
     if _sha256(path) != manifest["sha256"]:
-        raise _damaged(path, "is altered (its sha256 differs from its manifest's)")
+        raise _damaged(path, "is altered (its sha256 differs from its manifest's)", advice_for)
     return manifest
 
 
-def load_checkpoint(path: str | Path, *, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+def load_checkpoint(path: str | Path, *, map_location: str | torch.device = "cpu", advice_for=resume_from,
+                    verified: bool = False) -> dict[str, Any]:
     """Load a checkpoint written by :func:`save_checkpoint` after checking it against its manifest; a missing,
-    truncated, altered or foreign file is a UserError naming it."""
+    truncated, altered or foreign file is a UserError naming it and, by ``advice_for(previous checkpoint)``,
+    what to do instead. ``verified``: a checkpoint without a manifest is refused too, not loaded unverified."""
     path = Path(path)
-    manifest = verify_checkpoint(path)
+    manifest = verify_checkpoint(path, advice_for=advice_for)
+    if manifest is None and verified:
+        raise _damaged(path, f"has no manifest ({manifest_path(path).name}), so it cannot be verified", advice_for)
     try:
         payload = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # torch reports a torn or foreign file with several exception types (OSError, ...)
         why = "has no manifest and " if manifest is None else ""
         raise _damaged(path, f"{why}cannot be read: it is truncated or not a checkpoint "
-                             f"({type(e).__name__})") from None
+                             f"({type(e).__name__})", advice_for) from None
     if not isinstance(payload, dict) or payload.get("format") != 1:
         raise UserError(f"Invalid checkpoint: {path} is not a bubblefree checkpoint")
     if manifest is None:

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import math
 import os
 import random
+import shlex
 import signal
 import threading
 import time
@@ -39,19 +41,30 @@ from bubblefree.config import (
     validate,
 )
 from bubblefree.data import load_tokens
-from bubblefree.errors import TrainingDiverged, UserError
+from bubblefree.data.tokens import fingerprint, resolved_source
+from bubblefree.errors import FILESYSTEM_ERRNOS, FileSystemFault, TrainingDiverged, UserError, describe_os_error
 from bubblefree.models import build_model
 from bubblefree.models.presets import PRESETS as MODEL_PRESETS
 from bubblefree.optim import resolve_defaults
 from bubblefree.optim.schedule import lr_scale
 from bubblefree.train.build import resolve_device
-from bubblefree.train.checkpoint import CHECKPOINT_DIR, latest_checkpoint, load_checkpoint, restore_rng, save_checkpoint
+from bubblefree.train.checkpoint import (
+    CHECKPOINT_DIR,
+    last_good_checkpoint,
+    latest_checkpoint,
+    load_checkpoint,
+    newer_checkpoints,
+    restore_rng,
+    save_checkpoint,
+    set_aside,
+)
 from bubblefree.train.executor import Executor
+from bubblefree.train.folders import check_ours, hold
 from bubblefree.train.metrics import METRICS_FILE, MetricsWriter, plot_losses, progress_bar, tensorboard_writer
 from bubblefree.train.sim import SimExecutor
 
 __all__ = ["RESUMABLE_KEYS", "ExecutorFactory", "Interrupted", "SetupBarrier", "StopRule", "TrainingDiverged",
-           "check_fresh_out_dir", "check_lengths", "resolved", "train"]
+           "check_fresh_out_dir", "check_lengths", "resolved", "resume_hint", "train"]
 
 # Keys a resumed run may change: they decide what is logged, kept or how long the run is, not the trajectory
 # of the steps already taken (a longer ``train.steps`` stretches the cosine over the new length from here on).
@@ -59,6 +72,9 @@ RESUMABLE_KEYS = ("train.steps", "train.eval_every", "train.eval_batches", "trai
                   "train.ckpt_keep", "train.device", "train.nonfinite", "log.tensorboard", "log.progress")
 CONFIG_FILE = "config.toml"
 PLOT_FILE = "loss.png"
+DATA_FILE = "data.json"
+"""The data the run trains on: ``data.source`` resolved to an absolute path and the tokens' fingerprint
+(``data.tokens.fingerprint``); a resume on other data is refused (docs/reliability.md, "The data is pinned")."""
 
 SetupBarrier = Callable[[Config, "BaseException | None"], None]
 """Called by every process of a run once its local setup (config, checkpoint, data, model) is done or has
@@ -72,13 +88,16 @@ loop, passes one that builds a :class:`~bubblefree.distributed.DistributedExecut
 
 
 def check_fresh_out_dir(out_dir: Path) -> None:
-    """Refuse an output folder that already holds a run, so nothing of an earlier run is overwritten."""
+    """Refuse an output folder that already holds a run, or anything else (the user's own files), so nothing
+    is overwritten. Fresh: missing, empty, or holding only the error records of a distributed start that
+    failed (``errors/``, written by the ranks before the run's first file)."""
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"Invalid output folder: {out_dir} exists and is not a folder")
     held = [name for name in (CONFIG_FILE, METRICS_FILE, CHECKPOINT_DIR) if (out_dir / name).exists()]
     if held:
         raise UserError(f"Invalid output folder: {out_dir} already holds a run ({', '.join(held)}); "
-                        f"continue it with --resume {out_dir} or choose another --out")
+                        f"continue it with --resume {shlex.quote(str(out_dir))} or choose another --out")
+    check_ours(out_dir, what="output folder", ours=("errors",))
 
 
 def _sim_executor(config: Config, model: torch.nn.Module, data: Any, out_dir: Path) -> Executor:
@@ -126,13 +145,15 @@ class _OneProcessStop:
 
 
 @contextlib.contextmanager
-def _deferred_signals(one_process: bool):
+def _deferred_signals():
     """Turn SIGINT and SIGTERM into a flag checked between steps, so the run stops at a step boundary with a
     checkpoint. Installed even where the shell set SIGINT to be ignored (a run started in the background).
 
-    One process: a second signal interrupts at once. A rank of a distributed run gets the same signal from
-    several senders (the terminal, the launcher, torchrun's agent): every one only sets the flag; the launcher
-    and the agent kill the ranks if they must stop at once."""
+    Every signal only sets the flag, however many arrive and in whatever order: a second one acting at once
+    would raise inside the step (in backward, say), lose it and print a traceback, or kill the process with
+    exit code 143. A step is short; to stop without waiting for it, SIGKILL: the resume from the last
+    checkpoint is exact. A rank of a distributed run gets the same signal from several senders (the
+    terminal, the launcher, torchrun's agent) alike; the launcher and the agent kill the ranks if they must."""
     flag = {"hit": False}
     if not _is_main_thread():
         yield flag
@@ -141,11 +162,6 @@ def _deferred_signals(one_process: bool):
 
     def handler(signum, frame):
         flag["hit"] = True
-        if one_process:  # a second signal acts at once
-            for sig, old in previous.items():
-                if old in (signal.SIG_IGN, None):
-                    old = signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
-                signal.signal(sig, old)
 
     for sig in previous:
         signal.signal(sig, handler)
@@ -191,31 +207,71 @@ def check_lengths(config: Config, data: Any = None) -> None:
                             f"train.seq_len)")
 
 
-def _resume_state(config: Config, out_dir: Path, resume: bool | str | Path, vocab_size: int) -> dict[str, Any]:
+def _resume_state(config: Config, out_dir: Path, resume: bool | str | Path, vocab_size: int, *,
+                  branch: bool, data_moved: bool) -> dict[str, Any] | None:
+    """The checkpoint to continue from, after checking that continuing from it loses nothing; None for a run
+    stopped before its first checkpoint, which starts over at step 0 with its own config."""
     path = latest_checkpoint(out_dir) if resume is True else Path(resume)
     if path is None:
-        raise UserError(f"Invalid --resume: {out_dir} holds no checkpoint")
+        return None
     ckpt = load_checkpoint(path)
     saved = config_from_dict(ckpt["config"], origin=f"checkpoint {path}")
-    # Compared resolved: a run folder written before config.toml held resolved values resumes too.
+    # Compared resolved: a run folder written before config.toml held resolved values resumes too. Moved data
+    # may be named anew (its tokens are checked against the run's by _check_data).
+    may_change = RESUMABLE_KEYS + (("data.source",) if data_moved else ())
     differ = {k: v for k, v in config_diff(resolved(saved, vocab_size), resolved(config, vocab_size)).items()
-              if k not in RESUMABLE_KEYS}
+              if k not in may_change}
     if differ:
         listed = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in differ.items())
         raise UserError(f"Invalid --resume: the config differs from the checkpoint's in {listed}")
     if ckpt["step"] >= config.train.steps:
         raise UserError(f"Invalid --resume: the run is complete at step {ckpt['step']} of train.steps = "
                         f"{config.train.steps}; extend it with --set train.steps=N")
+    newer = newer_checkpoints(out_dir, ckpt["step"])
+    if newer and not branch:  # continuing here would overwrite the run's later checkpoints and metrics
+        raise UserError(f"Invalid --resume: {out_dir} went on past step {ckpt['step']} (checkpoint "
+                        f"{newer[-1].name}); continuing from step {ckpt['step']} would overwrite that; add "
+                        f"--branch to continue anyway: the newer checkpoints and a copy of {METRICS_FILE} are "
+                        f"moved to {out_dir / 'superseded'} first (nothing is deleted)")
     return ckpt
 
 
+def _check_data(config: Config, data: Any, out_dir: Path, *, resume: bool, data_moved: bool) -> dict[str, Any]:
+    """The run's data record (:data:`DATA_FILE`); on resume, refuse data other than the run's, saying what
+    differs. A run folder from before data was pinned has no record: it is pinned from this resume on."""
+
+    now = {"source": resolved_source(config.data.source), **fingerprint(data)}
+    if not resume or not (out_dir / DATA_FILE).exists():
+        return now
+    try:
+        pinned = json.loads((out_dir / DATA_FILE).read_text())
+        was = pinned["source"]
+    except (ValueError, KeyError, TypeError):
+        raise UserError(f"Invalid --resume: {out_dir / DATA_FILE} is not a data record (the run's data is "
+                        f"unknown)") from None
+    differ = [f"{k.replace('_', ' ')} {pinned.get(k)} -> {now[k]}" for k in ("train_tokens", "val_tokens")
+              if pinned.get(k) != now[k]]
+    if pinned.get("sha256") != now["sha256"]:
+        differ.append(f"sha256 {str(pinned.get('sha256'))[:12]}... -> {now['sha256'][:12]}...")
+    where = (f"data.source {config.data.source} is {now['source']}, the run trained on {was}" if was != now["source"]
+             else f"{was} changed since the run trained on it")
+    if differ:
+        raise UserError(f"Invalid --resume: the data differs from the run's: {where} ({', '.join(differ)}); "
+                        f"resume where data.source names the run's data")
+    if was != now["source"] and not data_moved:
+        raise UserError(f"Invalid --resume: {where}; the tokens are the same: continue on them with --data-moved")
+    return now
+
+
 def _build(config: Config, out_dir: Path, resume: bool | str | Path, barrier: SetupBarrier | None,
-           make_executor: ExecutorFactory) -> tuple[Executor, dict[str, Any] | None, dict[str, int], Any]:
+           make_executor: ExecutorFactory, *, branch: bool, data_moved: bool
+           ) -> tuple[Executor, dict[str, Any] | None, dict[str, int], Any, dict[str, Any]]:
     """Validate, load data, build the model and executor and restore the checkpoint; write nothing.
 
     Every process of a distributed run reads the checkpoint file itself (so a multi-node resume needs the run
-    folder on a shared filesystem). Returns ``(executor, checkpoint or None, parameter counts, token data)``, the
-    counts as ``{"params": all trainable, "params_non_embedding": without the vocabulary matrices}``.
+    folder on a shared filesystem). Returns ``(executor, checkpoint or None, parameter counts, token data,
+    data record)``, the counts as ``{"params": all trainable, "params_non_embedding": without the vocabulary
+    matrices}``.
     """
     failure, ckpt = None, None
     try:
@@ -229,7 +285,9 @@ def _build(config: Config, out_dir: Path, resume: bool | str | Path, barrier: Se
         model = build_model(config.model.preset, vocab_size=config.model.vocab_size or data.vocab_size)
         if config.train.compile:
             model.compile_blocks()
-        ckpt = _resume_state(config, out_dir, resume, data.vocab_size) if resume else None
+        pinned = _check_data(config, data, out_dir, resume=bool(resume), data_moved=data_moved)
+        ckpt = _resume_state(config, out_dir, resume, data.vocab_size, branch=branch,
+                             data_moved=data_moved) if resume else None
     except Exception as e:  # reported through the barrier first, so that no other process waits for this one
         failure = e
     if barrier is not None:
@@ -243,7 +301,7 @@ def _build(config: Config, out_dir: Path, resume: bool | str | Path, barrier: Se
         executor.load_state_dict(ckpt["executor"])
         restore_rng(ckpt["rng"])
     counts = {"params": model.num_params(), "params_non_embedding": model.num_params(embedding=False)}
-    return executor, ckpt, counts, data
+    return executor, ckpt, counts, data, pinned
 
 
 def _model_name(config: Config, counts: dict[str, int], data: Any) -> str:
@@ -255,17 +313,31 @@ def _model_name(config: Config, counts: dict[str, int], data: Any) -> str:
     return f"{config.model.preset}{at} ({counts['params'] / 1e6:.2f}M parameters)"
 
 
-def _diverged(step: int, stats: Any, out_dir: Path) -> TrainingDiverged:
+def resume_hint(out_dir: Path) -> str:
+    """Where a stopped run can continue from, for its last line: the last good checkpoint (never one without a
+    manifest) and the command, or how to start over when it has none yet."""
+    good = last_good_checkpoint(out_dir)
+    again = f"--resume {shlex.quote(str(out_dir))}"
+    if not (out_dir / CONFIG_FILE).is_file():  # stopped before the run's first file: a fresh start is the same
+        return "nothing of the run was written yet (run the same command again)"
+    if good is None:
+        return f"no checkpoint was written yet (start over with {again})"
     newest = latest_checkpoint(out_dir)
-    where = (f"the last good checkpoint is {newest}; continue from it with --resume {out_dir} (add --set "
-             f"train.nonfinite=skip to skip such batches)" if newest else "no checkpoint was written yet")
+    if newest != good:  # the newest has no manifest: resume from the good one, keeping the other aside
+        again = f"--resume {shlex.quote(str(good))} --branch"
+    return f"the last good checkpoint is {good}; continue with {again}"
+
+
+def _diverged(step: int, stats: Any, out_dir: Path, config: Config) -> TrainingDiverged:
+    # skip exists in the simulation only (the stages of an asynchronous pipeline update before the loss exists)
+    skip = " (add --set train.nonfinite=skip to skip such batches)" if config.pipeline.runtime == "sim" else ""
     return TrainingDiverged(f"training stopped at step {step}: the loss is {stats.loss} and the gradient norm "
-                            f"{stats.grad_norm}; {where}")
+                            f"{stats.grad_norm}; {resume_hint(out_dir)}{skip}")
 
 
-def train(config: Config, *, out_dir: str | Path, resume: bool | str | Path = False,
-          barrier: SetupBarrier | None = None, stop: StopRule | None = None,
-          executor: ExecutorFactory | None = None) -> dict[str, Any]:
+def train(config: Config, *, out_dir: str | Path, resume: bool | str | Path = False, branch: bool = False,
+          data_moved: bool = False, lock: bool = True, barrier: SetupBarrier | None = None,
+          stop: StopRule | None = None, executor: ExecutorFactory | None = None) -> dict[str, Any]:
     """Train as ``config`` says, writing config.toml, metrics.jsonl, checkpoints and loss.png to ``out_dir``.
 
     With ``resume`` the newest checkpoint in ``out_dir`` (or the checkpoint file ``resume`` names) is loaded
@@ -277,23 +349,51 @@ def train(config: Config, *, out_dir: str | Path, resume: bool | str | Path = Fa
     process stops after the step it is in); ``executor`` (:data:`ExecutorFactory`) builds their executor
     (default: the single-process simulation).
 
+    The run folder has one writer: this process holds its lock (``train.folders.hold``) from before the setup
+    to the end, and a second writer is refused; ``lock=False`` where a launcher holds it for the processes of
+    a distributed run. A resume from an older checkpoint of a run that went on past it is refused unless
+    ``branch`` (the newer checkpoints are moved aside, never deleted); a resume on data other than the run's
+    is refused, and on the same tokens at another path only with ``data_moved``. A filesystem that refuses a
+    write (read-only, full) ends the run with a :class:`~bubblefree.errors.FileSystemFault` naming the last
+    good checkpoint.
+
     Every process of a distributed run calls this; they make the same executor calls in the same order, and
     only the executor's writer writes files and prints (the others return an empty summary).
     """
+    out_dir = Path(out_dir)
     threads = torch.get_num_threads()
     if config.train.threads:
         torch.set_num_threads(config.train.threads)
     try:
-        return _run(config, Path(out_dir), resume, barrier, stop, executor or _sim_executor)
+        with contextlib.ExitStack() as held:
+            if lock:
+                if not resume:
+                    check_fresh_out_dir(out_dir)
+                held.enter_context(hold(out_dir, what="--resume" if resume else "--out", create=not resume))
+            return _run(config, out_dir, resume, barrier, stop, executor or _sim_executor, branch=branch,
+                        data_moved=data_moved)
+    except OSError as e:
+        if e.errno not in FILESYSTEM_ERRNOS or not (out_dir / CONFIG_FILE).is_file():
+            raise  # before the run's first file: the one-line OSError says all (errors.exit_code)
+        raise FileSystemFault(f"{describe_os_error(e)}; the run stopped: {resume_hint(out_dir)} once the "
+                              f"filesystem lets it write") from None
+    except KeyboardInterrupt as e:
+        if type(e) is not KeyboardInterrupt or stop is not None:
+            raise  # a stop at a step boundary says where its checkpoint is; ranks stop silently
+        if not (out_dir / CONFIG_FILE).is_file():  # setup had not written anything yet
+            raise Interrupted("interrupted before the run started; nothing was written") from None
+        raise Interrupted(f"interrupted; {resume_hint(out_dir)}") from None
     finally:
         torch.set_num_threads(threads)
 
 
 def _run(config: Config, out_dir: Path, resume: bool | str | Path, barrier: SetupBarrier | None,
-         stop: StopRule | None, make_executor: ExecutorFactory) -> dict[str, Any]:
+         stop: StopRule | None, make_executor: ExecutorFactory, *, branch: bool, data_moved: bool
+         ) -> dict[str, Any]:
     cfg = config.train
     try:
-        executor, ckpt, counts, data = _build(config, out_dir, resume, barrier, make_executor)
+        executor, ckpt, counts, data, pinned = _build(config, out_dir, resume, barrier, make_executor,
+                                                      branch=branch, data_moved=data_moved)
     except UserError:
         raise
     except ValueError as e:
@@ -305,7 +405,12 @@ def _run(config: Config, out_dir: Path, resume: bool | str | Path, barrier: Setu
     writer = executor.is_writer  # every call on executor below is made by every process; only this one writes
     if writer:
         out_dir.mkdir(parents=True, exist_ok=True)
+        if ckpt is not None and newer_checkpoints(out_dir, start):  # --branch: the later lineage is kept aside
+            aside = set_aside(out_dir, start, (METRICS_FILE, PLOT_FILE, CONFIG_FILE, DATA_FILE))
+            print(f"bubblefree: note: the checkpoints past step {start} and a copy of {METRICS_FILE} are in "
+                  f"{aside}", flush=True)
         _write_atomic(out_dir / CONFIG_FILE, dump_toml(config_from_dict(saved)))
+        _write_atomic(out_dir / DATA_FILE, json.dumps(pinned, indent=1) + "\n")
         print(f"bubblefree: {'resuming' if resume else 'training'} {_model_name(config, counts, data)} on "
               f"{data.source}, step {start}/{cfg.steps}; outputs in {out_dir}", flush=True)
         for line in unused_keys(config):
@@ -318,7 +423,7 @@ def _run(config: Config, out_dir: Path, resume: bool | str | Path, barrier: Setu
     test_loss = float("nan")
     stop_rule = stop or _OneProcessStop()
 
-    with _deferred_signals(one_process=stop is None) as signalled:
+    with _deferred_signals() as signalled:
         for step in range(start, cfg.steps):
             tic = time.perf_counter()
             stats = executor.train_step(step, lr_scale(step, cfg.steps, warmup_frac=cfg.warmup_frac,
@@ -332,7 +437,7 @@ def _run(config: Config, out_dir: Path, resume: bool | str | Path, barrier: Setu
                 if cfg.nonfinite == "stop":  # the executor applied no update; nothing after the checkpoint is kept
                     bar.close()
                     metrics.close()
-                    raise _diverged(done, stats, out_dir)
+                    raise _diverged(done, stats, out_dir, config)
                 skipped += 1
                 bar.write(f"step {done}/{cfg.steps}: the loss is {stats.loss} and the gradient norm "
                           f"{stats.grad_norm}; batch skipped ({skipped} so far)")
@@ -375,7 +480,7 @@ def _run(config: Config, out_dir: Path, resume: bool | str | Path, barrier: Setu
                     raise Interrupted()
                 metrics.close()
                 raise Interrupted(f"interrupted; checkpoint at step {done} in {out_dir}; continue with "
-                                  f"--resume {out_dir}")
+                                  f"--resume {shlex.quote(str(out_dir))}")
     bar.close()
     executor.close()
     if not writer:
@@ -389,6 +494,8 @@ def _run(config: Config, out_dir: Path, resume: bool | str | Path, barrier: Setu
                "out_dir": str(out_dir), **counts}
     if cfg.test_split:
         summary["final_test_loss"] = test_loss
+    if not math.isfinite(val_loss):  # not "done": the caller (the CLI: exit 3) says what happened
+        return summary
     print(f"bubblefree: done. final validation loss {val_loss:.4f}, {summary['tokens_per_s']:.0f} tokens/s; "
           f"outputs in {out_dir} (config.toml, metrics.jsonl, loss.png, checkpoints/)", flush=True)
     return summary

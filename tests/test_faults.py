@@ -1,0 +1,421 @@
+"""Fault injection (docs/reliability.md, "Faults"): what a careful user can do to a run, done as the user would.
+
+Two writers racing for one run, data moved or changed under a run, a resume from an older checkpoint, output
+folders that hold the user's own files, read-only and full filesystems (an OSError injected where the
+filesystem would raise it: the tests run as any user, root included, whom permissions do not stop), special
+files, names too long, and storms of SIGINT and SIGTERM. Every refused command must exit with its documented
+code, print one line and no traceback, and leave every byte of the earlier run as it was (the run folder is
+hashed before and after).
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import errno
+import hashlib
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from bubblefree.cli import main
+from bubblefree.train.checkpoint import _save_torch, _write_synced, list_checkpoints
+from bubblefree.train.folders import LOCK_FILE, hold, holder_pids
+from bubblefree.train.loop import resume_hint
+from bubblefree.train.metrics import read_metrics
+from bubblefree.train.sim import SimExecutor
+
+TINY = ["train.seq_len=32", "train.batch_size=4", "train.eval_batches=2", "train.eval_every=3",
+        "train.log_every=1", "train.ckpt_every=3", "train.ckpt_keep=3", "log.progress=false"]
+TEXT = "".join(f"Line {i}: the quick brown fox jumps over the lazy dog, {i * 7919 % 1000} times.\n"
+               for i in range(400))
+
+
+@pytest.fixture(autouse=True)
+def _session_cache(data_cache):
+    """Every test here (and its subprocesses) uses the session's data cache (conftest.py)."""
+
+
+def _sets(overrides: list[str]) -> list[str]:
+    return [arg for o in overrides for arg in ("--set", o)]
+
+
+def _digest(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _cli(argv: list[str]) -> tuple[int, list[str]]:
+    """Run the CLI in this process; return (exit code, stderr lines)."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            code = main(argv)
+        except SystemExit as e:
+            code = e.code
+    return code, err.getvalue().strip().splitlines()
+
+
+def _refused(argv: list[str], folder: Path, code: int, message: str) -> str:
+    """Run ``argv``: it must exit ``code`` with one line holding ``message`` and change nothing in ``folder``."""
+    before = _digest(folder)
+    got, err = _cli(argv)
+    assert got == code and len(err) == 1 and "Traceback" not in err[0], (argv, got, err)
+    assert message in err[0], (message, err)
+    assert _digest(folder) == before, argv
+    return err[0]
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory, cache_dir) -> Path:
+    """A finished 6-step run on a text file named by a relative path (checkpoints at 3 and 6)."""
+    root = tmp_path_factory.mktemp("faults")
+    (root / "corpus.txt").write_text(TEXT)
+    here = os.getcwd()
+    os.chdir(root)
+    try:
+        code, err = _cli(["train", "--preset", "smoke", *_sets([*TINY, "train.steps=6", "data.source=corpus.txt",
+                                                                  f"data.cache_dir={cache_dir}"]), "--out", "run"])
+    finally:
+        os.chdir(here)
+    assert code == 0, err
+    return root / "run"
+
+
+@pytest.fixture
+def run(finished, tmp_path, monkeypatch) -> Path:
+    """A copy of the finished run, from the working directory the original ran in (so its data.source names
+    the same file)."""
+    shutil.copytree(finished, tmp_path / "run")
+    monkeypatch.chdir(finished.parent)
+    return tmp_path / "run"
+
+
+def _ckpt(run: Path, step: int) -> str:
+    return str(run / "checkpoints" / f"step_{step:08d}.pt")
+
+
+# One writer per run folder -----------------------------------------------------------------------------
+
+def _wait(predicate, proc: subprocess.Popen, what: str, timeout: float = 600) -> None:
+    # Generous: on a loaded machine a subprocess's start (torch import, data) has taken minutes.
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert proc.poll() is None, f"the process ended before {what}: {proc.communicate()}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_a_second_writer_is_refused_naming_the_first_and_the_lock_dies_with_it(run):
+    """The issue's race: --resume RUN while RUN trains. The second writer (train, export, a fresh --out on it)
+    is refused with the first one's pid and changes nothing; after a SIGKILL the lock is gone (never stale)."""
+    first = subprocess.Popen([sys.executable, "-m", "bubblefree", "train", "--resume", str(run),
+                              "--set", "train.steps=100000"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             text=True)
+    try:
+        _wait(lambda: len(read_metrics(run / "metrics.jsonl")) > 6, first, "the first writer's step 7")
+        assert holder_pids(run / LOCK_FILE) == [first.pid]
+        for argv in (["train", "--resume", str(run), "--set", "train.steps=100000"],
+                     ["train", "--resume", _ckpt(run, 6), "--set", "train.steps=100000"],
+                     ["export", str(run), "--format", "hf", "--out", str(run.parent / "hf")]):
+            got, err = _cli(argv)  # the first writer keeps writing: the folder is not compared here
+            assert got == 2 and len(err) == 1 and f"in use by another bubblefree process (pid {first.pid})" \
+                in err[0], (argv, got, err)
+        assert not (run.parent / "hf").exists()
+    finally:
+        first.kill()
+        first.communicate(timeout=60)
+    assert holder_pids(run / LOCK_FILE) == []
+    with hold(run, what="--resume"):  # the kernel released it with the process
+        pass
+
+
+@pytest.mark.parametrize("command", [
+    ["train", "--preset", "smoke", "--out", "EMPTY"],
+    ["train", "--preset", "smoke", "--set", "pipeline.runtime=distributed", "--out", "EMPTY"],
+    ["reproduce", "optimizers", "--scale", "smoke", "--out", "EMPTY"],
+], ids=["train", "distributed-launcher", "reproduce"])
+def test_every_writer_takes_the_lock_before_it_writes(tmp_path, command):
+    """A folder whose lock another process holds (here a bare holder, so nothing else differs) is refused by
+    each kind of writer before it starts a rank or a run."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from bubblefree.train.folders import hold\n"
+                               "with hold(sys.argv[1], what='x'):\n print('held', flush=True); time.sleep(120)",
+                               str(empty)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        argv = [str(empty) if a == "EMPTY" else a for a in command]
+        _refused(argv, empty, 2, f"is in use by another bubblefree process (pid {holder.pid})")
+    finally:
+        holder.kill()
+        holder.communicate(timeout=60)
+
+
+# Folders that are not runs -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("command", [
+    ["train", "--preset", "smoke", "--out", "MINE"],
+    ["simulate", "--stages", "2", "--microbatches", "4", "--out", "MINE"],
+    ["reproduce", "optimizers", "--scale", "smoke", "--out", "MINE"],
+], ids=["train", "simulate", "reproduce"])
+def test_a_folder_of_the_users_own_files_is_not_written_into(tmp_path, command):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "loss.png").write_bytes(b"the user's own plot")
+    (mine / "notes.txt").write_text("notes")
+    _refused([str(mine) if a == "MINE" else a for a in command], mine, 2,
+             f"{mine} is not empty and holds no bubblefree output (loss.png, notes.txt)")
+
+
+def test_simulate_replaces_its_own_earlier_output(tmp_path):
+    out = tmp_path / "sim"
+    for _ in range(2):
+        assert _cli(["simulate", "--stages", "2", "--microbatches", "4", "--steps", "2", "--out", str(out)])[0] == 0
+    assert sorted(p.name for p in out.iterdir()) == ["simulate.json", "timeline.png"]
+
+
+# Checkpoint lineage ------------------------------------------------------------------------------------
+
+def test_going_back_a_checkpoint_is_refused_and_branching_keeps_the_future_aside(run):
+    old = _digest(run)
+    _refused(["train", "--resume", _ckpt(run, 3), "--set", "train.steps=6"], run, 2,
+             f"{run} went on past step 3 (checkpoint step_00000006.pt); continuing from step 3 would overwrite")
+    code, err = _cli(["train", "--resume", _ckpt(run, 3), "--branch", "--set", "train.steps=6"])
+    assert code == 0, err
+    aside, = (run / "superseded").iterdir()
+    for name in ("checkpoints/step_00000006.pt", "checkpoints/step_00000006.json", "metrics.jsonl"):
+        assert hashlib.sha256((aside / name).read_bytes()).hexdigest() == old[name], name  # moved, byte for byte
+    # The branch recomputed steps 4-6 from the same state: an exact resume gives the same lines again.
+    strip = [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in read_metrics(run / "metrics.jsonl")]
+    assert strip == [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in read_metrics(aside / "metrics.jsonl")]
+
+
+def test_a_run_stopped_before_its_first_checkpoint_resumes_from_the_start(run):
+    """Its hint says --resume; that command starts it over with its own config (and computes the same lines)."""
+    before = read_metrics(run / "metrics.jsonl")
+    shutil.rmtree(run / "checkpoints")
+    assert "no checkpoint was written yet (start over with --resume" in resume_hint(run)
+    code, err = _cli(["train", "--resume", str(run)])
+    assert code == 0, err
+    after = read_metrics(run / "metrics.jsonl")
+    assert [r["loss"] for r in after] == [r["loss"] for r in before]
+
+
+def test_an_unverified_checkpoint_is_never_called_good(run):
+    (run / "checkpoints" / "step_00000006.json").unlink()
+    hint = resume_hint(run)
+    assert f"the last good checkpoint is {_ckpt(run, 3)}" in hint and "--branch" in hint, hint
+    _refused(["export", _ckpt(run, 6), "--format", "hf", "--out", str(run.parent / "hf")], run, 2,
+             "has no manifest (step_00000006.json), so it cannot be verified")
+
+
+def test_exports_hint_names_an_export_command(run):
+    newest = run / "checkpoints" / "step_00000006.pt"
+    newest.write_bytes(newest.read_bytes()[:1000])
+    line = _refused(["export", str(run), "--format", "hf", "--out", str(run.parent / "hf")], run, 2,
+                    f"export the previous one: bubblefree export {_ckpt(run, 3)} --out DIR")
+    assert "--resume" not in line
+
+
+# The data pinned -------------------------------------------------------------------------------------
+
+def test_the_run_records_its_data(finished):
+    record = json.loads((finished / "data.json").read_text())
+    assert record["source"] == str((finished.parent / "corpus.txt").resolve())
+    assert len(record["sha256"]) == 64 and record["train_tokens"] > record["val_tokens"] > 0
+
+
+def test_other_data_under_the_same_name_is_refused(run, tmp_path, monkeypatch):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "corpus.txt").write_text(TEXT.upper())
+    monkeypatch.chdir(elsewhere)
+    line = _refused(["train", "--resume", str(run), "--set", "train.steps=9"], run, 2,
+                    f"the data differs from the run's: data.source corpus.txt is {elsewhere / 'corpus.txt'}, "
+                    f"the run trained on {json.loads((run / 'data.json').read_text())['source']}")
+    assert "sha256" in line
+
+
+def test_data_changed_in_place_is_refused(run, tmp_path, monkeypatch):
+    """The same path with one byte changed: the run (pinned here to its own copy of the text) refuses it."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT)
+    record = json.loads((run / "data.json").read_text())
+    (run / "data.json").write_text(json.dumps({**record, "source": str(corpus)}))
+    monkeypatch.chdir(tmp_path)
+    corpus.write_text(TEXT[:-2] + "!\n")
+    _refused(["train", "--resume", str(run), "--set", "train.steps=9"], run, 2,
+             f"{corpus} changed since the run trained on it (sha256 ")
+
+
+def test_moved_data_needs_the_users_word_and_matching_tokens(run, tmp_path, monkeypatch):
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    (moved / "corpus.txt").write_text(TEXT)
+    monkeypatch.chdir(moved)
+    _refused(["train", "--resume", str(run), "--set", "train.steps=9"], run, 2,
+             "the tokens are the same: continue on them with --data-moved")
+    code, err = _cli(["train", "--resume", str(run), "--data-moved", "--set", "train.steps=9"])
+    assert code == 0, err
+    assert json.loads((run / "data.json").read_text())["source"] == str(moved / "corpus.txt")
+
+
+def test_a_special_file_is_not_data(tmp_path):
+    _refused(["train", "--preset", "smoke", "--set", "data.source=/dev/zero", "--out", str(tmp_path / "new")],
+             tmp_path, 2, "Invalid data.source: /dev/zero is not a file or folder")
+
+
+# Filesystem faults ---------------------------------------------------------------------------------------
+
+def _refuse_writes(monkeypatch, under: Path, err: int) -> None:
+    """Make every write-like file operation below ``under`` fail with ``err``, as a read-only (EROFS) or full
+    (ENOSPC) filesystem would: opening for writing, creating folders, renaming into it."""
+    under = str(under)
+    strerror = os.strerror(err)
+
+    def inside(path) -> bool:
+        return isinstance(path, (str, os.PathLike)) and os.path.abspath(os.fspath(path)).startswith(under)
+
+    real_open, real_os_open, real_mkdir, real_replace = builtins.open, os.open, os.mkdir, os.replace
+
+    def fake_open(file, mode="r", *args, **kwargs):
+        if inside(file) and any(c in mode for c in "wax+"):
+            raise OSError(err, strerror, os.fspath(file))
+        return real_open(file, mode, *args, **kwargs)
+
+    def fake_os_open(path, flags, *args, **kwargs):
+        if inside(path) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT) and not str(path).endswith(LOCK_FILE):
+            raise OSError(err, strerror, os.fspath(path))
+        return real_os_open(path, flags, *args, **kwargs)
+
+    def fake_mkdir(path, *args, **kwargs):
+        if inside(path):
+            raise OSError(err, strerror, os.fspath(path))
+        return real_mkdir(path, *args, **kwargs)
+
+    def fake_replace(src, dst, *args, **kwargs):
+        if inside(dst):
+            raise OSError(err, strerror, os.fspath(dst))
+        return real_replace(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", fake_open)
+    monkeypatch.setattr(io, "open", fake_open)
+    monkeypatch.setattr(os, "open", fake_os_open)
+    monkeypatch.setattr(os, "mkdir", fake_mkdir)
+    monkeypatch.setattr(os, "replace", fake_replace)
+
+
+def test_a_read_only_output_folder_is_one_line(tmp_path, monkeypatch):
+    _refuse_writes(monkeypatch, tmp_path, errno.EROFS)
+    _refused(["train", "--preset", "smoke", "--out", str(tmp_path / "new")], tmp_path, 4,
+             f"{tmp_path / 'new'}: Read-only file system")
+    assert not (tmp_path / "new").exists()
+
+
+def test_read_only_checkpoints_on_resume_name_the_last_good_one(run, monkeypatch):
+    """The issue's case: every step trains, then the save fails. One line, exit 4, the checkpoints untouched."""
+    checkpoints = _digest(run / "checkpoints")
+    _refuse_writes(monkeypatch, run / "checkpoints", errno.EROFS)
+    got, err = _cli(["train", "--resume", str(run), "--set", "train.steps=8"])
+    assert got == 4 and len(err) == 1 and "Traceback" not in err[0], err
+    assert "Read-only file system" in err[0] and f"the last good checkpoint is {_ckpt(run, 6)}" in err[0], err
+    assert _digest(run / "checkpoints") == checkpoints
+
+
+def test_a_full_disk_at_the_final_save_names_the_last_good_checkpoint(run, monkeypatch):
+    """ENOSPC as torch raises it (a RuntimeError of its own with the OSError in its context): one line, no
+    temporary file left, the earlier checkpoints intact; after space is freed the resume continues."""
+    import torch
+
+    checkpoints = _digest(run / "checkpoints")
+    real_save = torch.save
+
+    def full(payload, f, *args, **kwargs):
+        if payload.get("step") == 8:
+            try:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            except OSError:  # torch's own error, with the OSError only as its context (as torch raises it)
+                raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")  # noqa: B904
+        return real_save(payload, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", full)
+    got, err = _cli(["train", "--resume", str(run), "--set", "train.steps=8"])
+    assert got == 4 and len(err) == 1 and "Traceback" not in err[0], err
+    assert "No space left on device" in err[0] and f"the last good checkpoint is {_ckpt(run, 6)}" in err[0], err
+    assert _digest(run / "checkpoints") == checkpoints  # no torn or temporary file
+    monkeypatch.setattr(torch, "save", real_save)
+    assert _cli(["train", "--resume", str(run), "--set", "train.steps=8"])[0] == 0
+    assert [s for s, _ in list_checkpoints(run)] == [3, 6, 8]
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux) for a real ENOSPC")
+def test_torchs_own_enospc_becomes_the_oserror_it_is():
+    """The checkpoint writer's own path onto a device that is always full: torch's RuntimeError (or a failed
+    flush) comes out as the ENOSPC it is, naming the file."""
+    full = Path("/dev/full")
+    with pytest.raises(OSError) as caught:
+        _write_synced(full, lambda f: _save_torch({"w": list(range(100000))}, f, full))
+    assert caught.value.errno == errno.ENOSPC and caught.value.filename == str(full)
+
+
+def test_a_name_too_long_is_one_line(tmp_path):
+    name = tmp_path / ("x" * 300)
+    _refused(["train", "--preset", "smoke", "--out", str(name)], tmp_path, 4, "File name too long")
+
+
+# Signals and endings ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("storm", [[signal.SIGTERM, signal.SIGINT], [signal.SIGINT] * 3 + [signal.SIGTERM] * 3],
+                         ids=["term-then-int", "storm"])
+def test_any_sequence_of_signals_stops_at_a_step_boundary(tmp_path, storm):
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "bubblefree", "train", "--preset", "smoke",
+                             *_sets([*TINY, "train.steps=100000", "train.ckpt_every=0"]), "--out", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait(lambda: (out / "metrics.jsonl").exists() and len(read_metrics(out / "metrics.jsonl")) >= 2, proc,
+              "step 2")
+        for sig in storm:  # back to back: the later ones land inside the step or the checkpoint
+            proc.send_signal(sig)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    lines = err.strip().splitlines()
+    assert proc.returncode == 130 and len(lines) == 1 and "Traceback" not in err, (proc.returncode, err)
+    (stopped, _), = list_checkpoints(out)
+    assert f"interrupted; checkpoint at step {stopped}" in lines[0]
+    assert max(r["step"] for r in read_metrics(out / "metrics.jsonl")) == stopped
+
+
+def test_sigterm_during_setup_is_exit_130_and_leaves_nothing(tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "bubblefree", "train", "--preset", "smoke",
+                             *_sets([*TINY, "train.steps=100000"]), "--out", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait(lambda: (out / LOCK_FILE).exists(), proc, "the run folder's lock")
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    lines = err.strip().splitlines()
+    assert proc.returncode == 130 and len(lines) == 1 and "Traceback" not in err, (proc.returncode, err)
+    if "nothing was written" in lines[0]:  # it landed in the setup: no folder is left
+        assert not out.exists()
+    else:  # the setup was quicker: it stopped at the first step boundary
+        assert "interrupted; checkpoint at step" in lines[0]
+
+
+def test_a_final_validation_loss_that_is_not_finite_is_not_done(tmp_path, monkeypatch):
+    monkeypatch.setattr(SimExecutor, "evaluate", lambda self, split="val": float("nan"))
+    got, err = _cli(["train", "--preset", "smoke", *_sets([*TINY, "train.steps=3"]), "--out", str(tmp_path / "r")])
+    assert got == 3 and len(err) == 1 and "final validation loss of nan" in err[0], err
