@@ -7,8 +7,8 @@ filesystem all nodes share), like ``bubblefree train --resume``; ``--resume --ou
 ``--resume DIR``. Failures end the process with the exit codes of ``bubblefree train``
 (``bubblefree.errors.exit_code``): 2 invalid input, 3 a diverged run, 4 a filesystem that refused a write,
 130 stopped by SIGINT or SIGTERM at a step boundary after a checkpoint, 1 a bug. The one-line messages of
-the first three come from the first process of each node (``LOCAL_RANK`` 0) only: every rank knows them (the ranks agree on failures at setup), so
-a failure is one line per node, not one per rank.
+the first three come from the first process of each node (``LOCAL_RANK`` 0) only: every rank knows them (the
+ranks agree on failures at setup), so a failure is one line per node, not one per rank.
 """
 
 from __future__ import annotations
