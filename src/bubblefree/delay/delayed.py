@@ -65,10 +65,24 @@ from torch import Tensor
 from bubblefree.errors import UserError
 from bubblefree.optim.base import UpdateOptimizer, apply_updates
 
-__all__ = ["CORRECTIONS", "DelayedOptimizer", "build_delayed"]
+__all__ = ["CORRECTIONS", "DelayedOptimizer", "build_delayed", "correction_buffers"]
 
 CORRECTIONS: tuple[str, ...] = ("none", "ef", "taylor", "nesterov", "predict")
 """Values of ``delay.correction``."""
+
+
+
+def correction_buffers(correction: str, delay: int, *, taylor_adaptive: bool = False) -> int:
+    """Parameter-sized buffers the correction keeps for one parameter of delay ``delay`` in an asynchronous
+    phase, beside the ``delay`` stashed versions (module docstring, Memory): EF's ring of ``d`` updates, the
+    prediction's last change, Nesterov's ``b`` (every parameter, delayed or not), DC-ASGD-a's mean square.
+    :meth:`DelayedOptimizer.memory_bytes` measures the same buffers (a test checks the two agree)."""
+    if correction == "nesterov":
+        return 1
+    if delay == 0:
+        return 0
+    return {"none": 0, "ef": delay, "predict": 1, "taylor": int(taylor_adaptive)}[correction]
+
 
 # DC-ASGD-a's mean-square decay and epsilon (Zheng et al. 2017, "Asynchronous Stochastic Gradient Descent with
 # Delay Compensation", section 4: MeanSquare(t) = m MeanSquare(t-1) + (1-m) g^2, m = 0.95, epsilon = 1e-7).
