@@ -7,6 +7,7 @@ saved tensors (exact), and the peak memory of real two-process runs (within 10 %
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -179,7 +180,7 @@ def _check_stage_fields(records: list[dict], stages: int) -> None:
         assert 0.0 <= r["bubble"] < 1.0
         assert len(r["stage_peak_bytes"]) == stages and all(b > 0 for b in r["stage_peak_bytes"])
     peaks = [r["stage_peak_bytes"] for r in records]
-    assert all(a <= b for before, after in zip(peaks, peaks[1:]) for a, b in zip(before, after))
+    assert all(a <= b for before, after in itertools.pairwise(peaks) for a, b in zip(before, after))
 
 
 def test_2bw_run_measures_the_plans_peak_memory_and_logs_busy_shares(tmp_path):

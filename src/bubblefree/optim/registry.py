@@ -12,11 +12,10 @@ Routing: a parameter is a *hidden matrix* when ``p.ndim >= 2`` and its name cont
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-
-import math
 
 import torch
 from torch import nn
