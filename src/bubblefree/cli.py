@@ -3,6 +3,8 @@
     bubblefree train [--preset NAME] [--config FILE.toml] [--set KEY=VALUE ...] [--out DIR]
                      [--resume DIR | --resume DIR/checkpoints/step_NNNNNNNN.pt [--branch]] [--data-moved]
     bubblefree simulate --stages P --microbatches M --schedules a,b,... [--costs F:B:W[:U]] [--steps T] [--out DIR]
+    bubblefree plan [--preset NAME] [--config FILE.toml] [--set KEY=VALUE ...] [--replicas R]
+                    [--schedules a,b,...] [--costs F:B:W[:U]] [--steps T] [--out DIR]
     bubblefree bench {train,optim,delay,pipeline,time-to-loss,device} [--out DIR] [--tiny]
     bubblefree reproduce SUITE [--scale smoke|cpu|long|gpu] [--out DIR] [--seeds N] [--optimizers A,B,...]
                          [--config FILE.toml] [--set KEY=VALUE ...] [--report]
@@ -30,6 +32,7 @@ from pathlib import Path
 
 from bubblefree import __version__
 from bubblefree.errors import TrainingDiverged, UserError, exit_code
+from bubblefree.schedules.ir import SIMULATED_SCHEDULES
 
 # Each command imports what it runs inside its function: torch alone takes two seconds to import, which
 # `bubblefree --help` and a rejected argument should not wait for.
@@ -88,6 +91,23 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--steps", type=int, default=8, metavar="T", help="optimizer steps (default 8)")
     simulate.add_argument("--out", metavar="DIR", help="write timeline.png and simulate.json here (a new or empty "
                                                          "folder, or one of an earlier simulate)")
+
+    plan = commands.add_parser(
+        "plan", help="memory per pipeline stage in bytes for every schedule, beside step time and bubble",
+        description="Plan a run's memory before it starts: per stage, the bytes of parameters, stashed weight "
+                    "versions, gradients, optimizer state, update buffers, correction buffers and activations "
+                    "in flight, for every schedule (docs/memory.md). Takes a run's configuration like train.")
+    plan.add_argument("--preset", metavar="NAME", help="run preset (default: demo); see docs/training.md")
+    plan.add_argument("--config", metavar="FILE.toml", help="TOML file with [section] tables of keys")
+    plan.add_argument("--set", metavar="KEY=VALUE", action="append", default=[], dest="overrides",
+                      help="override one key, e.g. --set model.preset=smollm2-135m (repeatable)")
+    plan.add_argument("--replicas", type=int, default=1, metavar="R",
+                      help="data-parallel replicas, splitting pipeline.microbatches (default 1)")
+    plan.add_argument("--schedules", default=",".join(SIMULATED_SCHEDULES), metavar="A,B,...",
+                      help="comma-separated (default: all)")
+    plan.add_argument("--costs", default="1:1:1", metavar="F:B:W[:U]", help="as for simulate (default 1:1:1)")
+    plan.add_argument("--steps", type=int, default=8, metavar="T", help="optimizer steps simulated (default 8)")
+    plan.add_argument("--out", metavar="DIR", help="also write plan.json here")
 
     bench = commands.add_parser(
         "bench", help="run a benchmark and print a side-by-side table",
@@ -190,6 +210,42 @@ def _simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    import dataclasses
+    import json
+
+    from bubblefree.schedules.timeline import Costs
+    from bubblefree.train.memory import format_plan, plan_memory
+    from bubblefree.train.presets import train_config
+
+    config = train_config(args.preset, args.config, args.overrides, None)
+    try:
+        costs = Costs.parse(args.costs)
+        schedules = [name for name in args.schedules.split(",") if name]
+        unknown = [name for name in schedules if name not in SIMULATED_SCHEDULES]
+        if unknown:
+            raise ValueError(f"Invalid schedule: {unknown[0]!r} (choose from {', '.join(SIMULATED_SCHEDULES)})")
+        if args.steps < 1:
+            raise ValueError(f"Invalid --steps: {args.steps} (must be >= 1)")
+        rows = plan_memory(config, replicas=args.replicas, schedules=schedules, costs=costs, steps=args.steps)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    t, p = config.train, config.pipeline
+    print(f"{config.model.preset}, {config.optim.name}, correction {config.delay.correction}, batch {t.batch_size} "
+          f"= {p.microbatches} x {t.batch_size // p.microbatches} sequences of {t.seq_len} tokens, "
+          f"{'bfloat16' if t.dtype == 'bfloat16' else 'float32'} activations, P = {p.stages}, R = {args.replicas};"
+          f" step time in units of --costs {args.costs} (one microbatch's forward on one stage = "
+          f"{costs.forward:g})")
+    print(format_plan(rows))
+    if args.out is not None:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        records = [{**row, "stages": [{**dataclasses.asdict(st), "total": st.total} for st in row["stages"]]}
+                   if "stages" in row else row for row in rows]
+        (out / "plan.json").write_text(json.dumps(records, indent=1) + "\n")
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     if args.tiny and args.name != "device":
         raise UserError(f"Invalid --tiny: only 'bench device' takes it, not 'bench {args.name}'")
@@ -269,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         # it ends the command with exit code 130 and one line, not with the kernel's 143.
         signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        return {"train": _train, "simulate": _simulate, "bench": _bench, "reproduce": _reproduce,
+        return {"train": _train, "simulate": _simulate, "plan": _plan, "bench": _bench, "reproduce": _reproduce,
                 "export": _export}[args.command](args)
     except (Exception, KeyboardInterrupt) as e:
         return exit_code(e)

@@ -53,9 +53,9 @@ __all__ = [
     "validate",
 ]
 
-MODEL_PRESETS = ("llama-1m", "llama-5m", "llama-20m", "moe-20m", "smollm2-135m", "smollm2-360m", "moe-2b",
-                 "moe-10b", "deep-1m", "deep-3m", "deep-30m", "moe-1m", "moe-6m", "byte-0.5m", "byte-deep-0.5m",
-                 "byte-moe-0.5m")
+MODEL_PRESETS = ("llama-1m", "llama-5m", "llama-20m", "moe-20m", "smollm2-135m", "smollm2-360m", "llama-1b",
+                 "moe-2b", "moe-10b", "deep-1m", "deep-3m", "deep-30m", "moe-1m", "moe-6m", "byte-0.5m",
+                 "byte-deep-0.5m", "byte-moe-0.5m")
 """The names of ``bubblefree.models.PRESETS``."""
 OPTIMIZERS = ("adamw", "muon", "lion", "adan", "mars", "soap", "nadamw")
 """The names of ``bubblefree.optim.OPTIMIZERS``."""

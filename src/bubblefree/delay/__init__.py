@@ -2,8 +2,8 @@
 prediction, update EMA), synchronous start / cooldown."""
 
 from bubblefree.delay.correction import Correction
-from bubblefree.delay.corrections import CORRECTIONS
+from bubblefree.delay.corrections import CORRECTIONS, correction_buffers
 from bubblefree.delay.delayed import DelayedOptimizer, build_delayed
 from bubblefree.schedules.delays import parameter_delays
 
-__all__ = ["CORRECTIONS", "Correction", "DelayedOptimizer", "build_delayed", "parameter_delays"]
+__all__ = ["CORRECTIONS", "Correction", "DelayedOptimizer", "build_delayed", "correction_buffers", "parameter_delays"]

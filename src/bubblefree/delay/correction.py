@@ -86,6 +86,13 @@ class Correction:
         self.params, self.delays = params, delays
 
     @classmethod
+    def buffers(cls, delay: int, **hparams: Any) -> int:
+        """Parameter-sized buffers it keeps for one parameter of delay ``delay`` in an asynchronous phase, beside
+        the ``delay`` stashed versions: what the memory plan counts and :meth:`memory_bytes` measures (a test
+        checks the two agree)."""
+        return 0
+
+    @classmethod
     def check(cls, hparams: dict[str, Any]) -> None:
         """Raise ``ValueError("Invalid <name>: ...")`` for a bad value of one of :attr:`hparams`."""
 

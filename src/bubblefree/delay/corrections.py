@@ -13,7 +13,7 @@ from bubblefree.delay.predict import WeightPrediction
 from bubblefree.delay.taylor import Taylor
 from bubblefree.delay.update_ema import UncorrectedUpdateEMA, UpdateEMA
 
-__all__ = ["CORRECTIONS", "HPARAMS"]
+__all__ = ["CORRECTIONS", "HPARAMS", "correction_buffers"]
 
 CORRECTIONS: dict[str, type[Correction]] = {
     "none": Correction,
@@ -27,3 +27,9 @@ CORRECTIONS: dict[str, type[Correction]] = {
 
 HPARAMS: dict[str, object] = {k: v for cls in CORRECTIONS.values() for k, v in cls.hparams.items()}
 """Every correction's hyperparameters with their defaults: the keyword arguments of ``DelayedOptimizer``."""
+
+
+def correction_buffers(correction: str, delay: int, **hparams: object) -> int:
+    """Parameter-sized buffers ``correction`` keeps for one parameter of delay ``delay`` in an asynchronous phase
+    (:meth:`~bubblefree.delay.correction.Correction.buffers`), beside the ``delay`` stashed versions."""
+    return CORRECTIONS[correction].buffers(delay, **hparams)

@@ -41,6 +41,10 @@ class ErrorFeedback(Correction):
         if not 0.0 <= hparams["ef_beta"] <= 1.0:
             raise ValueError(f"Invalid ef_beta: {hparams['ef_beta']} (must be in [0, 1])")
 
+    @classmethod
+    def buffers(cls, delay: int, **hparams: Any) -> int:
+        return delay  # the ring of the d updates in flight
+
     def fill(self, i: int, p: Tensor, d: int) -> None:
         self.rings[i] = [None] * d  # u_j = 0 for j < a
 

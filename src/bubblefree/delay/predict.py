@@ -38,6 +38,10 @@ class WeightPrediction(Correction):
         if not 0.0 < hparams["predict_scale"] < float("inf"):
             raise ValueError(f"Invalid predict_scale: {hparams['predict_scale']} (must be > 0; 0 is the plain delay)")
 
+    @classmethod
+    def buffers(cls, delay: int, **hparams: Any) -> int:
+        return int(delay > 0)  # the last change of a delayed parameter
+
     def fill(self, i: int, p: Tensor, d: int) -> None:
         self.change[i] = torch.zeros_like(p)
 

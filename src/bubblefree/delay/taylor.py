@@ -46,6 +46,10 @@ class Taylor(Correction):
         if not isinstance(hparams["taylor_adaptive"], bool):
             raise ValueError(f"Invalid taylor_adaptive: {hparams['taylor_adaptive']!r} (must be a bool)")
 
+    @classmethod
+    def buffers(cls, delay: int, *, taylor_adaptive: bool = False, **hparams: Any) -> int:
+        return int(delay > 0 and taylor_adaptive)  # DC-ASGD-a's mean square of a delayed parameter
+
     def before_update(self, core: Stash, delayed: list[int], slot: list[int]) -> None:
         """``g <- g + lambda_t * g * g * (x_t - x_{t-d})`` in place."""
         live = [i for i in delayed if core.params[i].grad is not None]

@@ -48,6 +48,10 @@ class UpdateEMA(Correction):
         self.count = [0] * len(params)  # n: the updates b has taken
 
     @classmethod
+    def buffers(cls, delay: int, **hparams: Any) -> int:
+        return 1  # b, for every parameter (delayed or not)
+
+    @classmethod
     def check(cls, hparams: dict[str, Any]) -> None:
         if not 0.0 <= hparams["nesterov_gamma"] < 1.0:
             raise ValueError(f"Invalid nesterov_gamma: {hparams['nesterov_gamma']} (must be in [0, 1))")

@@ -30,6 +30,7 @@ from bubblefree.config import Config, validate
 from bubblefree.delay import build_delayed
 from bubblefree.distributed.async_loop import AsyncLoop
 from bubblefree.distributed.faults import maybe_fault
+from bubblefree.distributed.memory import PeakMemory, tensor_bytes
 from bubblefree.distributed.mesh import Mesh, init_mesh
 from bubblefree.distributed.p2p import P2P, timeout_s as default_timeout_s
 from bubblefree.distributed.rank import Rank
@@ -98,11 +99,16 @@ class DistributedExecutor:
 
     def train_step(self, step: int, lr_scale: float) -> StepStats | None:
         maybe_fault(self.mesh.rank, when=step)
-        if self.stage.delayed.is_async(step) and get_schedule(self.config.pipeline.schedule).runtime == "async":
-            self._async.step(step, lr_scale)
-        else:
-            self._async.drain()
-            self._stock.step(step, lr_scale)
+        if self.rank.memory is None:  # the whole model this rank built is gone by now, its stage's part stays
+            delayed = self.stage.delayed
+            known = tensor_bytes(list(self.module.parameters()), delayed.optimizer.state, delayed.state_dict())
+            self.rank.memory = PeakMemory(self.mesh.device, known)
+        with self.rank.tracer.running():
+            if self.stage.delayed.is_async(step) and get_schedule(self.config.pipeline.schedule).runtime == "async":
+                self._async.step(step, lr_scale)
+            else:
+                self._async.drain()
+                self._stock.step(step, lr_scale)
         return self.rank.relay.pop(step)
 
     def drain(self) -> None:

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from bubblefree.config import PipelineConfig, TrainConfig
+from bubblefree.distributed.memory import PeakMemory
 from bubblefree.distributed.mesh import Mesh
 from bubblefree.distributed.p2p import P2P
 from bubblefree.distributed.relay import StepRelay
@@ -50,6 +51,8 @@ class Rank:
     relay: StepRelay
     autocast: Callable[[], contextlib.AbstractContextManager]
     units_per_step: int
+    memory: PeakMemory | None = None
+    """The peak-memory probe, made at the first ``train_step`` (:mod:`~bubblefree.distributed.memory`)."""
 
     @property
     def P(self) -> int:
@@ -89,6 +92,7 @@ class Rank:
         next stage's (which stage 0 waits for) are then already there, and no stage sits idle through another's
         optimizer step."""
         norm = self.stage.prepare_update(step, lr_scale, versioned=versioned)
-        self.relay.end_step(step, norm, lr=self.stage.delayed.param_groups[0]["lr"])
+        self.relay.end_step(step, norm, lr=self.stage.delayed.param_groups[0]["lr"], busy=self.tracer.window(),
+                            peak=self.memory.peak() if self.memory is not None else None)
         with self.tracer.span("U", step=step):
             self.stage.update(step)

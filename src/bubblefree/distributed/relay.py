@@ -5,7 +5,10 @@ losses. When a stage ends a step (:meth:`StepRelay.end_step`) it receives the pa
 stages after it, adds its own (over its replicas, then divided by the global number of microbatches ``m``)
 and sends them on towards stage 0, travelling with the last gradient of the step. Stage 0 of replica 0 holds
 the step's :class:`~bubblefree.train.executor.StepStats`: loss, gradient norm (the root of the stages' summed
-squared norms), balancing loss and learning rate.
+squared norms), balancing loss and learning rate, and what a person watching the run reads per stage: its
+busy and window seconds (:meth:`~bubblefree.distributed.trace.Tracer.window`) and its peak memory
+(:mod:`~bubblefree.distributed.memory`), each stage writing its own slots (replica 0's stages: every
+replica's relay ends at its own stage 0).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from bubblefree.train.executor import StepStats
 
 __all__ = ["StepRelay"]
 
-_N_STATS = 3  # loss, squared gradient norm, MoE balancing loss
+_N_STATS = 3  # loss, squared gradient norm, MoE balancing loss; then busy, window and peak bytes per stage
 
 
 class StepRelay:
@@ -41,12 +44,16 @@ class StepRelay:
         if isinstance(aux, Tensor):
             self._aux_sum[step] = self._aux_sum.get(step, 0.0) + aux
 
-    def end_step(self, step: int, norm: float, lr: float) -> None:
-        """Add this stage's numbers (gradient norm ``norm``) to the statistics of ``step``, pass them on."""
-        mesh, device = self.mesh, self.mesh.device
-        incoming = None if mesh.is_last else self.p2p.recv((_N_STATS,), torch.float64,
-                                                           mesh.global_rank(mesh.stage + 1))
-        stats = torch.zeros(_N_STATS, dtype=torch.float64) if incoming is None else incoming.cpu()
+    def end_step(self, step: int, norm: float, lr: float, *, busy: tuple[float, float] = (0.0, 0.0),
+                 peak: int | None = None) -> None:
+        """Add this stage's numbers (gradient norm ``norm``; ``busy``: its busy and window seconds since its
+        last step; ``peak``: its peak bytes, None if unknown) to the statistics of ``step``, pass them on."""
+        mesh, device, P = self.mesh, self.mesh.device, self.mesh.stages
+        n = _N_STATS + 3 * P
+        incoming = None if mesh.is_last else self.p2p.recv((n,), torch.float64, mesh.global_rank(mesh.stage + 1))
+        stats = torch.zeros(n, dtype=torch.float64) if incoming is None else incoming.cpu()
+        s = _N_STATS + mesh.stage
+        stats[s], stats[s + P], stats[s + 2 * P] = busy[0], busy[1], -1.0 if peak is None else float(peak)
         zero = torch.zeros((), dtype=torch.float64, device=device)
         local = torch.stack([torch.as_tensor(self._loss_sum.pop(step, zero)).double(),
                              torch.as_tensor(self._aux_sum.pop(step, zero)).double()]).to(device)
@@ -59,8 +66,11 @@ class StepRelay:
         if not mesh.is_first:
             self.p2p.send(stats.to(device), mesh.global_rank(mesh.stage - 1))
         elif mesh.replica == 0:
+            per_stage = stats[_N_STATS:].view(3, P).tolist()
             self._stats[step] = StepStats(loss=float(stats[0]), grad_norm=float(stats[1]) ** 0.5,
-                                          aux_loss=float(stats[2]), lr=lr)
+                                          aux_loss=float(stats[2]), lr=lr, busy_s=tuple(per_stage[0]),
+                                          window_s=tuple(per_stage[1]),
+                                          peak_bytes=tuple(None if b < 0 else int(b) for b in per_stage[2]))
 
     def pop(self, step: int) -> StepStats | None:
         """The finished statistics of ``step`` (on stage 0 of replica 0; None elsewhere)."""

@@ -27,14 +27,38 @@ class Tracer:
         self.path = path
         self._ids = {"rank": rank, "replica": replica, "stage": stage}
         self._lines: list[str] = []
+        self._busy = 0.0  # F, B, U seconds since the last window()
+        self._elapsed = 0.0  # seconds inside running() since the last window(), the running part excluded
+        self._since: float | None = None  # when the running part began (None: not inside running())
 
     @contextmanager
     def span(self, kind: str, *, step: int, unit: int = -1) -> Iterator[None]:
         start = time.time()
         yield
+        if kind != "E":
+            self._busy += time.time() - start
         if self.path is not None:
             self._lines.append(json.dumps({**self._ids, "kind": kind, "step": step, "unit": unit,
                                            "start": start, "end": time.time()}))
+
+    @contextmanager
+    def running(self) -> Iterator[None]:
+        """Count the time inside as the rank's working window (one ``train_step``)."""
+        self._since = time.time()
+        try:
+            yield
+        finally:
+            self._elapsed += time.time() - self._since
+            self._since = None
+
+    def window(self) -> tuple[float, float]:
+        """``(busy seconds, window seconds)`` since the last call, and start a new window."""
+        now = time.time()
+        elapsed = self._elapsed + (now - self._since if self._since is not None else 0.0)
+        busy, self._busy, self._elapsed = self._busy, 0.0, 0.0
+        if self._since is not None:
+            self._since = now
+        return busy, elapsed
 
     def flush(self) -> None:
         if self.path is not None and self._lines:

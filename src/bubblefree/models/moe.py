@@ -55,7 +55,8 @@ class AuxLossInjector(torch.autograd.Function):
 
 def load_balancing_loss(probs: Tensor, experts: Tensor, n_experts: int) -> Tensor:
     """``E * sum_i f_i P_i`` from router probabilities ``[N, E]`` and chosen experts ``[N, k]`` (see module doc)."""
-    counts = torch.bincount(experts.flatten(), minlength=n_experts)
+    counts = (torch.bincount(experts.flatten(), minlength=n_experts) if not experts.is_meta
+              else experts.new_empty(n_experts))  # a memory plan's forward (below)
     fraction = counts.to(probs.dtype) / experts.numel()
     return n_experts * (fraction * probs.mean(dim=0)).sum()
 
@@ -108,7 +109,12 @@ class MoE(nn.Module):
         flat = experts.flatten()
         order = flat.argsort(stable=True)
         token = order // self.top_k
-        counts = torch.bincount(flat, minlength=self.n_experts).tolist()
+        if flat.is_meta:  # the memory plan (train.memory) runs forwards on the meta device, where the routing is
+            # unknown; the bytes a forward keeps do not depend on it (the chunks always hold N*k rows): split evenly
+            counts = [flat.numel() // self.n_experts + (e < flat.numel() % self.n_experts)
+                      for e in range(self.n_experts)]
+        else:
+            counts = torch.bincount(flat, minlength=self.n_experts).tolist()
         chunks = x[token].split(counts)
         outs = [
             (F.silu(xe @ self.w1[e].T) * (xe @ self.w3[e].T)) @ self.w2[e].T for e, xe in enumerate(chunks)

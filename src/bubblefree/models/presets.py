@@ -7,6 +7,9 @@ the CPU presets, 256 for the ``byte-*`` presets of the long-horizon scale).
   a large learning rate.
 - ``moe-20m``: a CPU-sized MoE (8 experts, top-2, one shared expert) to exercise routing under delay.
 - ``smollm2-135m`` / ``smollm2-360m``: the paper's models, with SmolLM2's shapes (docs/spec.md section 8).
+- ``llama-1b``: Llama 3.2 1B's shapes (16 layers, dim 2048, 32 query / 8 key-value heads, SwiGLU 8192, RoPE theta
+  5e5, tied embeddings) at the SmolLM2 vocabulary like the other large presets: 1.07B parameters (1.24B at Llama
+  3's 128256).
 - ``moe-2b`` / ``moe-10b``: the paper's MoE scale (arXiv 2606.30634 does not publish its architecture; ours
   is fine-grained routed experts plus one shared expert in the DeepSeekMoE / OLMoE style, first block dense).
   moe-10b: 24 layers, dim 2048, 64 experts of width 1024, top-8 + 1 shared: 9.9B total, 1.8B active per token.
@@ -69,6 +72,13 @@ def smollm2_360m(vocab_size: int = SMOLLM2_VOCAB) -> ModelArgs:
     )  # fmt: skip
 
 
+def llama_1b(vocab_size: int = SMOLLM2_VOCAB) -> ModelArgs:
+    return ModelArgs(
+        vocab_size=vocab_size, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, mlp_hidden=8192,
+        rope_theta=5e5, tie_embeddings=True,
+    )  # fmt: skip
+
+
 def moe_2b(vocab_size: int = SMOLLM2_VOCAB) -> ModelArgs:
     return ModelArgs(
         vocab_size=vocab_size, dim=1024, n_layers=20, n_heads=16, n_kv_heads=4, mlp_hidden=4096, rope_theta=1e5,
@@ -112,6 +122,7 @@ PRESETS: dict[str, Callable[..., ModelArgs]] = {
     "moe-20m": moe_20m,
     "smollm2-135m": smollm2_135m,
     "smollm2-360m": smollm2_360m,
+    "llama-1b": llama_1b,
     "moe-2b": moe_2b,
     "moe-10b": moe_10b,
     # For the reproduction suites (bubblefree.experiments): 32-layer narrow models, since WPipe at depth 16 cuts

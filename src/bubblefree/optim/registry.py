@@ -17,6 +17,7 @@ Routing: a parameter is a *hidden matrix* when ``p.ndim >= 2`` and its name cont
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +36,7 @@ from bubblefree.optim.nadamw import NAdamW
 from bubblefree.optim.soap import SOAP
 
 __all__ = ["OPTIMIZERS", "OptimizerSpec", "build_optimizer", "defaults_markdown", "is_hidden_matrix", "param_groups",
-           "resolve_defaults"]
+           "resolve_defaults", "state_numel"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,6 +73,12 @@ class OptimizerSpec:
     reference: Callable[..., torch.optim.Optimizer] | None = None
     """``reference(params_or_groups, **hparams)``: the installed implementation we are tested against."""
 
+    state: Callable[[tuple[int, ...], int], int] | None = None
+    """``state(shape, max_precond_dim)``: elements of state the rule keeps for one parameter of ``shape`` (its
+    0-d ``step`` counter included) once it has stepped; None: AdamW's ``2n + 1``. Only the matrix rule's when
+    ``route_key`` is set: the other parameters are AdamW's. The memory plan (``bubblefree plan``) counts with
+    it; a test checks it against every optimizer's real state."""
+
 
 def _torch_adamw(params, **kw):
     return torch.optim.AdamW(params, foreach=True, **kw)
@@ -91,6 +98,21 @@ def _po(name: str) -> Callable[..., torch.optim.Optimizer]:
     return make
 
 
+def _adamw_state(shape: tuple[int, ...], max_precond_dim: int) -> int:
+    return 2 * math.prod(shape) + 1  # exp_avg, exp_avg_sq, step
+
+
+def _soap_state(shape: tuple[int, ...], max_precond_dim: int) -> int:
+    # AdamW's moments in the eigenbasis, plus a Gram matrix GG and its eigenbasis Q for every dimension up to
+    # max_precond_dim of a matrix (1-D parameters keep the identity basis: precondition_1d is off).
+    return _adamw_state(shape, max_precond_dim) + sum(2 * n * n for n in shape if len(shape) > 1 and
+                                                      n <= max_precond_dim)
+
+
+def _nadamw_state(shape: tuple[int, ...], max_precond_dim: int) -> int:
+    return _adamw_state(shape, max_precond_dim) + 1  # and mu_product, the momentum schedule's running product
+
+
 def _lion_betas(beta2: float) -> dict[str, Any]:
     # The knob is Lion's memory beta2; beta1 keeps the default pair's (0.95, 0.98) ratio of time constants.
     return {"betas": (max(0.0, 1.0 - 2.5 * (1.0 - beta2)), beta2)}
@@ -101,19 +123,22 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
                            momentum_kwargs=lambda m: {"betas": (m, 0.95)}, reference=_torch_adamw),
     "muon": OptimizerSpec(cls=Muon, lr=0.02, betas=None, weight_decay=0.1, momentum=0.95,
                           momentum_kwargs=lambda m: {"momentum": m}, route_key="use_muon", adamw_lr=3e-3,
-                          reference=torch.optim.Muon),
+                          reference=torch.optim.Muon, state=lambda shape, _: math.prod(shape)),  # momentum
     "lion": OptimizerSpec(cls=Lion, lr=1e-4, betas=(0.95, 0.98), weight_decay=0.5, momentum=0.98,
-                          momentum_kwargs=_lion_betas, reference=_po("Lion")),
+                          momentum_kwargs=_lion_betas, reference=_po("Lion"),
+                          state=lambda shape, _: math.prod(shape) + 1),  # exp_avg, step
     "adan": OptimizerSpec(cls=Adan, lr=2.5e-3, betas=(0.98, 0.92, 0.99), weight_decay=0.05, momentum=0.98,
-                          momentum_kwargs=lambda m: {"betas": (m, 0.92, 0.99)}, reference=_po("Adan")),
+                          momentum_kwargs=lambda m: {"betas": (m, 0.92, 0.99)}, reference=_po("Adan"),
+                          state=lambda shape, _: 4 * math.prod(shape) + 1),  # m, n, v, previous gradient, step
     "mars": OptimizerSpec(cls=MARS, lr=6e-3, betas=(0.95, 0.99), weight_decay=0.1, momentum=0.95,
                           momentum_kwargs=lambda m: {"betas": (m, 0.99)}, route_key="use_mars", adamw_lr=3e-3,
-                          reference=_po("MARS")),
+                          reference=_po("MARS"), state=lambda shape, _: 3 * math.prod(shape) + 1),  # m, v, last g
     "soap": OptimizerSpec(cls=SOAP, lr=3e-3, betas=(0.95, 0.95), weight_decay=0.01, momentum=0.95,
                           momentum_kwargs=lambda m: {"betas": (m, 0.95)}, max_precond_dim=10000,
-                          reference=_po("SOAP")),
+                          reference=_po("SOAP"), state=_soap_state),
     "nadamw": OptimizerSpec(cls=NAdamW, lr=6e-4, betas=(0.9, 0.999), weight_decay=0.1, momentum=0.9,
-                            momentum_kwargs=lambda m: {"betas": (m, 0.999)}, reference=_torch_nadamw),
+                            momentum_kwargs=lambda m: {"betas": (m, 0.999)}, reference=_torch_nadamw,
+                            state=_nadamw_state),
 }
 """The optimizers selectable as ``optim.name``."""
 
@@ -132,6 +157,15 @@ def param_groups(model: nn.Module, route_key: str | None, *, adamw_lr: float) ->
     rest = [p for n, p in named if not is_hidden_matrix(n, p)]
     groups = [{"params": hidden, route_key: True}, {"params": rest, route_key: False, "lr": adamw_lr}]
     return [g for g in groups if g["params"]]
+
+
+def state_numel(name: str, shape: tuple[int, ...], *, matrix: bool, max_precond_dim: int) -> int:
+    """Elements of optimizer state ``name`` keeps for one parameter of ``shape`` (``matrix``: a hidden matrix,
+    :func:`is_hidden_matrix`; ``max_precond_dim``: SOAP's, resolved). Fixed after the first step (SOAP's ``Q``
+    appears there); the state's dtype is the parameter's."""
+    spec = OPTIMIZERS[name]
+    own = spec.route_key is None or matrix
+    return (spec.state if own and spec.state is not None else _adamw_state)(tuple(shape), max_precond_dim)
 
 
 def _spec(name: str) -> OptimizerSpec:

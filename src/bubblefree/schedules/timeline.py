@@ -94,6 +94,27 @@ class Timeline:
         """Per stage: the most microbatches whose forward has started and whose last backward has not ended."""
         return self._peak(lambda stage, j: (self.spans[Action(stage, "F", j)][0], self._last_backward_end(stage, j)))
 
+    def open_steps(self) -> list[int]:
+        """Per stage: the most optimizer steps under way at once, each from the first forward of its first
+        microbatch to the end of its update there (the life of the step's gradients, and in the distributed
+        runtime's asynchronous loop of the step's own copy of the weights)."""
+        M = self.schedule.n_microbatches
+        first: dict[tuple[int, int], float] = {}
+        for (stage, j) in self.versions_used:
+            start = self.spans[Action(stage, "F", j)][0]
+            key = (stage, j // M)
+            first[key] = min(first.get(key, start), start)
+        counts = []
+        for stage in range(self.schedule.n_stages):
+            events = [e for (s, t), start in first.items() if s == stage
+                      for e in ((start, 1), (self.updates.get((s, t), start), -1))]
+            level = peak = 0
+            for _, delta in sorted(events):
+                level += delta
+                peak = max(peak, level)
+            counts.append(peak)
+        return counts
+
     def weight_versions(self) -> list[int]:
         """Per stage: the most weight versions alive at once (the newest plus every older one still in use)."""
         S = self.schedule.n_stages

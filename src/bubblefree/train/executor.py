@@ -26,6 +26,13 @@ class StepStats(NamedTuple):
     """MoE load-balancing loss of the step (0 for dense models)."""
     lr: float = math.nan
     """Learning rate of the step (first param group: the matrix rule's for Muon and MARS)."""
+    busy_s: tuple[float, ...] = ()
+    """Distributed runs, per stage: seconds of forward, backward and update work since the stage's last step."""
+    window_s: tuple[float, ...] = ()
+    """Distributed runs, per stage: seconds inside ``train_step`` since the stage's last step (``busy_s`` over it
+    is the stage's busy share)."""
+    peak_bytes: tuple[int | None, ...] = ()
+    """Distributed runs, per stage: peak memory so far (``distributed.memory``; None where not measurable)."""
 
 
 class Executor(Protocol):

@@ -313,6 +313,34 @@ def _model_name(config: Config, counts: dict[str, int], data: Any) -> str:
     return f"{config.model.preset}{at} ({counts['params'] / 1e6:.2f}M parameters)"
 
 
+class _BusyWindow:
+    """Per-stage busy share and the measured bubble over a logging window (distributed runs; docs/runtime.md).
+
+    A stage's busy share is its forward, backward and update seconds over its seconds inside ``train_step``,
+    summed over the window's steps; the bubble is the mean idle share ``1 - busy`` over the stages, the
+    timeline simulator's idle fraction (``schedules.timeline``) measured on the run."""
+
+    def __init__(self) -> None:
+        self.busy: list[float] = []
+        self.window: list[float] = []
+
+    def add(self, stats: Any) -> None:
+        if stats.busy_s:
+            self.busy = [a + b for a, b in zip(self.busy or [0.0] * len(stats.busy_s), stats.busy_s)]
+            self.window = [a + b for a, b in zip(self.window or [0.0] * len(stats.window_s), stats.window_s)]
+
+    def pop(self, stats: Any) -> dict[str, Any]:
+        """The record's fields (none for the simulation), and a new window."""
+        out: dict[str, Any] = {}
+        if self.window and all(w > 0 for w in self.window):
+            shares = [b / w for b, w in zip(self.busy, self.window)]
+            out = {"stage_busy": shares, "bubble": 1.0 - sum(shares) / len(shares)}
+        if stats.peak_bytes and all(b is not None for b in stats.peak_bytes):
+            out["stage_peak_bytes"] = list(stats.peak_bytes)
+        self.busy, self.window = [], []
+        return out
+
+
 def resume_hint(out_dir: Path) -> str:
     """Where a stopped run can continue from, for its last line: the last good checkpoint (never one without a
     manifest) and the command, or how to start over when it has none yet."""
@@ -422,6 +450,7 @@ def _run(config: Config, out_dir: Path, resume: bool | str | Path, barrier: Setu
     val_loss, train_time, window_time, window_tokens, tokens_per_s = float("nan"), 0.0, 0.0, 0, 0.0
     test_loss = float("nan")
     stop_rule = stop or _OneProcessStop()
+    busy = _BusyWindow()
 
     with _deferred_signals() as signalled:
         for step in range(start, cfg.steps):
@@ -446,6 +475,8 @@ def _run(config: Config, out_dir: Path, resume: bool | str | Path, barrier: Setu
                 val_loss = executor.evaluate()
                 if cfg.test_split:
                     test_loss = executor.evaluate("test")
+            if writer:
+                busy.add(stats)
             if writer and (evaluate or done % cfg.log_every == 0):
                 tokens_per_s, window_time, window_tokens = window_tokens / window_time, 0.0, 0
                 record = {"step": done, "tokens": done * tokens_per_step, "loss": stats.loss, "lr": stats.lr,
@@ -454,6 +485,7 @@ def _run(config: Config, out_dir: Path, resume: bool | str | Path, barrier: Setu
                     record["aux_loss"] = stats.aux_loss
                 if cfg.nonfinite == "skip":
                     record["skipped"] = skipped
+                record.update(busy.pop(stats))
                 if evaluate:
                     record["val_loss"] = val_loss
                     if cfg.test_split:

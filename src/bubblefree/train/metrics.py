@@ -4,6 +4,8 @@ the loss plot.
 Every line of ``metrics.jsonl`` holds ``step`` (optimizer steps done), ``tokens`` (training tokens seen),
 ``loss`` (that step's training cross-entropy), ``lr``, ``tokens_per_s`` (over the logging window, evaluation
 time excluded), ``grad_norm`` (before clipping), and ``val_loss`` on evaluation steps (docs/training.md).
+Distributed runs add ``stage_busy`` (per stage, the busy share over the logging window), ``bubble`` (the mean
+idle share) and ``stage_peak_bytes`` (per stage, peak memory so far) (docs/runtime.md).
 The file is line-buffered and flushed per line, so a killed run keeps everything logged so far.
 """
 
@@ -75,6 +77,9 @@ class MetricsWriter:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)):
                     self._tb.add_scalar(f"train/{key}", value, record["step"])
+                elif isinstance(value, list):  # one number per stage: train/stage_busy/0, train/stage_busy/1, ...
+                    for i, v in enumerate(value):
+                        self._tb.add_scalar(f"train/{key}/{i}", v, record["step"])
 
     def close(self) -> None:
         self._file.close()
