@@ -26,22 +26,27 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from bubblefree.delay import relayout_refusal
 from bubblefree.errors import TrainingDiverged, UserError
 from bubblefree.optim.schedule import lr_scale
-from bubblefree.train.checkpoint import (CHECKPOINT_DIR, latest_checkpoint, load_checkpoint, restore_rng,
-                                         save_checkpoint)
+from bubblefree.train.checkpoint import (CHECKPOINT_DIR, latest_checkpoint, layout_free, load_checkpoint,
+                                         restore_rng, save_checkpoint)
 from bubblefree.config import (Config, apply_overrides, config_diff, config_from_dict, config_to_dict, dump_toml,
                                unused_keys, validate)
+from bubblefree.train.build import delays_by_name
 from bubblefree.train.executor import Executor
 from bubblefree.train.metrics import METRICS_FILE, MetricsWriter, plot_losses, progress_bar, tensorboard_writer
 
-__all__ = ["RESUMABLE_KEYS", "ExecutorFactory", "Interrupted", "SetupBarrier", "StopRule", "TrainingDiverged",
+__all__ = ["LAYOUT_KEYS", "RESUMABLE_KEYS", "ExecutorFactory", "Interrupted", "SetupBarrier", "StopRule", "TrainingDiverged",
            "check_fresh_out_dir", "check_lengths", "resolved", "train"]
 
 # Keys a resumed run may change: they decide what is logged, kept or how long the run is, not the trajectory
 # of the steps already taken (a longer ``train.steps`` stretches the cosine over the new length from here on).
 RESUMABLE_KEYS = ("train.steps", "train.eval_every", "train.eval_batches", "train.log_every", "train.ckpt_every",
                   "train.ckpt_keep", "train.device", "train.nonfinite", "log.tensorboard", "log.progress")
+# Keys of the layout a resumed run may change too: the checkpoint's state is keyed by parameter name and moves
+# to the new stages (train.checkpoint), unless a parameter's delay changes while versions are in flight.
+LAYOUT_KEYS = ("pipeline.stages", "pipeline.runtime")
 CONFIG_FILE = "config.toml"
 PLOT_FILE = "loss.png"
 
@@ -198,21 +203,32 @@ def check_lengths(config: Config, data: Any = None) -> None:
                             f"train.seq_len)")
 
 
-def _resume_state(config: Config, out_dir: Path, resume: bool | str | Path, vocab_size: int) -> dict[str, Any]:
+def _resume_state(config: Config, out_dir: Path, resume: bool | str | Path, model: torch.nn.Module,
+                  vocab_size: int) -> dict[str, Any]:
+    """The checkpoint to resume from, its executor state layout-free, after every refusal: a changed config
+    (but for RESUMABLE_KEYS and LAYOUT_KEYS), a complete run, a layout the asynchronous state cannot move to."""
     path = latest_checkpoint(out_dir) if resume is True else Path(resume)
     if path is None:
         raise UserError(f"Invalid --resume: {out_dir} holds no checkpoint")
     ckpt = load_checkpoint(path)
     saved = config_from_dict(ckpt["config"], origin=f"checkpoint {path}")
     # Compared resolved: a run folder written before config.toml held resolved values resumes too.
-    differ = {k: v for k, v in config_diff(resolved(saved, vocab_size), resolved(config, vocab_size)).items()
-              if k not in RESUMABLE_KEYS}
+    diff = config_diff(resolved(saved, vocab_size), resolved(config, vocab_size))
+    differ = {k: v for k, v in diff.items() if k not in RESUMABLE_KEYS + LAYOUT_KEYS}
     if differ:
         listed = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in differ.items())
         raise UserError(f"Invalid --resume: the config differs from the checkpoint's in {listed}")
     if ckpt["step"] >= config.train.steps:
         raise UserError(f"Invalid --resume: the run is complete at step {ckpt['step']} of train.steps = "
                         f"{config.train.steps}; extend it with --set train.steps=N")
+    ckpt["executor"] = layout_free(ckpt, model)
+    # Checked here, before the processes of a distributed run meet, so that every one refuses alike.
+    why = relayout_refusal(ckpt["executor"]["optimizer"], delays_by_name(model, config))
+    if why:  # only the number of stages changes delays here (a changed schedule was refused above)
+        before = saved.pipeline.stages
+        raise UserError(f"Invalid --resume: the asynchronous state of {config.pipeline.schedule} cannot move from "
+                        f"pipeline.stages = {before} to {config.pipeline.stages}: {why}; resume with --set "
+                        f"pipeline.stages={before}, or from a checkpoint of a synchronous phase")
     return ckpt
 
 
@@ -239,7 +255,7 @@ def _build(config: Config, out_dir: Path, resume: bool | str | Path, barrier: Se
         model = build_model(config.model.preset, vocab_size=config.model.vocab_size or data.vocab_size)
         if config.train.compile:
             model.compile_blocks()
-        ckpt = _resume_state(config, out_dir, resume, data.vocab_size) if resume else None
+        ckpt = _resume_state(config, out_dir, resume, model, data.vocab_size) if resume else None
     except Exception as e:  # reported through the barrier first, so that no other process waits for this one
         failure = e
     if barrier is not None:
