@@ -6,6 +6,7 @@ they share nothing with the ring buffers, storage swaps and phase switches of th
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import numpy as np
@@ -13,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from bubblefree.delay import DelayedOptimizer, parameter_delays
+from bubblefree.delay import DelayedOptimizer, merge_named_states, parameter_delays
 from bubblefree.errors import UserError
 from bubblefree.optim import AdamW, UpdateOptimizer
 from bubblefree.schedules import SCHEDULES, n_partitions, stage_delays, weight_versions
@@ -391,6 +392,86 @@ def test_in_memory_state_dict_round_trip():
     assert all(torch.equal(p, q) for p, q in zip(full.parameters(), fresh.parameters()))
     with pytest.raises(UserError, match="delays"):
         DelayedOptimizer(AdamW(mlp().parameters()), delays=2, correction="ef").load_state_dict(sd)
+
+
+class _Parts:
+    """Several DelayedOptimizers stepped as one (the stages of a pipeline), for :func:`train`."""
+
+    def __init__(self, parts):
+        self.parts = parts
+
+    def zero_grad(self):
+        for d in self.parts:
+            d.zero_grad()
+
+    @contextlib.contextmanager
+    def stale_params(self):
+        with contextlib.ExitStack() as stack:
+            for d in self.parts:
+                stack.enter_context(d.stale_params())
+            yield
+
+    def step(self):
+        for d in self.parts:
+            d.step()
+
+
+def _assert_same_tree(a, b, where=""):
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            _assert_same_tree(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same_tree(x, y, f"{where}/{i}")
+    else:
+        assert a == b, (where, a, b)
+
+
+def test_named_state_moves_to_another_split_and_merges_back():
+    """The whole model's state by name loads into one optimizer per part (a pipeline's stages) in the middle of
+    an asynchronous phase (a stashed version and an EF update in flight): the parts step exactly as the whole
+    does, and their merged state is the whole's."""
+    kw = dict(delays=1, correction="ef", total_steps=10)
+    whole_model = mlp()
+    whole = DelayedOptimizer(AdamW(whole_model.parameters(), lr=1e-2), **kw)
+    train(whole_model, whole, 4)
+    names = [n for n, _ in whole_model.named_parameters()]
+    state = copy.deepcopy(whole.named_state_dict(names))
+    split_model = mlp(seed=3)
+    split_model.load_state_dict(whole_model.state_dict())
+    parts = [(i, split_model[i]) for i in (0, 2)]
+    part_names = [[f"{i}.{n}" for n, _ in part.named_parameters()] for i, part in parts]
+    stages = [DelayedOptimizer(AdamW(part.parameters(), lr=1e-2), **kw) for _, part in parts]
+    for stage, own in zip(stages, part_names):
+        stage.load_named_state_dict(state, own)
+    train(whole_model, whole, 10, start=4)
+    train(split_model, _Parts(stages), 10, start=4)
+    assert all(torch.equal(p, q) for p, q in zip(whole_model.parameters(), split_model.parameters()))
+    merged = merge_named_states([stage.named_state_dict(own) for stage, own in zip(stages, part_names)])
+    _assert_same_tree(merged, whole.named_state_dict(names))
+
+
+def test_named_state_refuses_a_delay_changed_in_flight_and_a_missing_parameter():
+    model = mlp()
+    delayed = DelayedOptimizer(AdamW(model.parameters(), lr=1e-2), delays=1, correction="ef", total_steps=10)
+    train(model, delayed, 3)
+    names = [n for n, _ in model.named_parameters()]
+    state = delayed.named_state_dict(names)
+    with pytest.raises(UserError, match=r"parameter 0\.weight has delay 1 in the checkpoint and 2 here \(4 param"):
+        DelayedOptimizer(AdamW(mlp().parameters()), delays=2, correction="ef").load_named_state_dict(state, names)
+    with pytest.raises(UserError, match="holds no state for parameter 9.weight"):
+        DelayedOptimizer(AdamW(mlp().parameters()), delays=1, correction="ef").load_named_state_dict(
+            state, ["9.weight", *names[1:]])
+    # In a synchronous phase nothing is in flight: another delay is taken up when the next phase fills (here at
+    # once: the run is extended past its end, where it drained).
+    train(model, delayed, 10, start=3)
+    other = DelayedOptimizer(AdamW(mlp().parameters()), delays=2, correction="ef")
+    other.load_named_state_dict(delayed.named_state_dict(names), names)
+    assert other.step_count == 10 and other.effective_delays() == [2] * 4
 
 
 # ---------------------------------------------------------------------------------------- inputs

@@ -78,6 +78,10 @@ class Correction:
     needs_updates: ClassVar[bool] = False
     """Whether it needs the update ``u_t`` before it is applied (an ``UpdateOptimizer``)."""
 
+    state_keys: ClassVar[tuple[str, ...]] = ()
+    """The keys of its :meth:`state_dict`, each ``{parameter index: value}``: what a checkpoint keyed by
+    parameter name moves with each parameter (:func:`~bubblefree.delay.delayed.name_state`)."""
+
     memory_key: ClassVar[str | None] = None
     """The name of its buffers in :meth:`~bubblefree.delay.delayed.DelayedOptimizer.memory_bytes` (None: it
     holds none)."""

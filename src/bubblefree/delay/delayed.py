@@ -47,7 +47,8 @@ from bubblefree.delay.corrections import CORRECTIONS, HPARAMS
 from bubblefree.errors import UserError
 from bubblefree.optim.base import UpdateOptimizer
 
-__all__ = ["CORRECTIONS", "DelayedOptimizer", "build_delayed"]
+__all__ = ["CORRECTIONS", "DelayedOptimizer", "build_delayed", "merge_named_states", "name_state",
+           "relayout_refusal"]
 
 
 def _check_int(name: str, value: Any, *, low: int = 0) -> int:
@@ -251,6 +252,46 @@ class DelayedOptimizer:
                 "stash": {i: list(r) for i, r in enumerate(self.stash) if r is not None},
                 **self.corrector.state_dict()}
 
+    def named_state_dict(self, names: Sequence[str]) -> dict[str, Any]:
+        """:meth:`state_dict` keyed by parameter name instead of position (``names[i]`` names the ``i``-th
+        optimizer parameter): the form checkpoints hold, which loads into any split of the model
+        (:func:`name_state`, :meth:`load_named_state_dict`)."""
+        return name_state(self.state_dict(), names)
+
+    def load_named_state_dict(self, state: dict[str, Any], names: Sequence[str]) -> None:
+        """Restore this optimizer's parameters from a :meth:`named_state_dict` of any split of the model (a
+        whole model's, or one merged from the stages' with :func:`merge_named_states`): each parameter takes
+        the inner optimizer's state, stash, EF ring and buffers saved under its name, each param group the
+        hyperparameters of the saved group that held its first parameter.
+
+        A parameter whose delay differs from the saved one is refused while an asynchronous phase runs
+        (:func:`relayout_refusal`); in a synchronous phase nothing is in flight and it takes its own delay.
+        """
+        if len(names) != len(self._params):
+            raise ValueError(f"Invalid names: {len(names)} for {len(self._params)} optimizer parameters")
+        why = relayout_refusal(state, dict(zip(names, self.delays)))
+        if why:
+            raise UserError(f"Invalid checkpoint: {why}")
+        missing = [n for n in names if n not in state["params"]]
+        if missing:
+            raise UserError(f"Invalid checkpoint: it holds no state for parameter {missing[0]} "
+                            f"({len(missing)} of this optimizer's {len(names)} are missing)")
+        saved = [state["params"][n] for n in names]
+        group_of = {n: g for g in state["groups"] for n in g["params"]}
+        position = {id(p): i for i, p in enumerate(self._params)}
+        groups = []
+        for group in self.optimizer.param_groups:
+            mine = [position[id(p)] for p in group["params"]]
+            hyper = {k: v for k, v in group_of[names[mine[0]]].items() if k != "params"}
+            groups.append({**hyper, "params": mine})
+        indexed = {"inner": {"state": {i: s["inner"] for i, s in enumerate(saved) if "inner" in s},
+                             "param_groups": groups},
+                   "step": state["step"], "filled": state["filled"], "delays": list(self.delays),
+                   "correction": state["correction"]}
+        for key in _BUFFERS:
+            indexed[key] = {i: s[key] for i, s in enumerate(saved) if key in s}
+        self.load_state_dict(indexed)
+
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (copied, so ``state`` may be reused); the model weights load separately."""
@@ -265,6 +306,79 @@ class DelayedOptimizer:
             self.stash[int(i)] = [x.to(device=p.device, dtype=p.dtype, copy=True) for x in ring]
         self.corrector.load_state_dict(state)
         self._switch_phase()  # a run resumed with another total_steps may have to fill or drain now
+
+
+_BUFFERS = ("stash", *dict.fromkeys(key for c in CORRECTIONS.values() for key in c.state_keys))
+"""The per-parameter entries of :meth:`DelayedOptimizer.state_dict` besides the inner optimizer's state: the
+stash and every correction's :attr:`~bubblefree.delay.correction.Correction.state_keys`."""
+
+
+def name_state(state: dict[str, Any], names: Sequence[str]) -> dict[str, Any]:
+    """A :meth:`DelayedOptimizer.state_dict` keyed by parameter name: ``names[i]`` names the ``i``-th optimizer
+    parameter (flattened ``param_groups``, torch's numbering of ``state["inner"]``).
+
+    Returns ``{"step", "filled", "correction", "groups": [{hyperparameters..., "params": [names]}], "params":
+    {name: {"delay", "inner"?, "stash"?, "ef"?, "momentum"?, "mean_square"?, "change"?}}}``: nothing in it
+    depends on how the model is split into stages, so the state of one split loads into another
+    (:meth:`DelayedOptimizer.load_named_state_dict`). Stash and EF rings keep their slots (``x_j`` and
+    ``u_j`` in slot ``j % d``): a parameter's ring is portable wherever its delay ``d`` is the same.
+    """
+    if len(names) != len(state["delays"]):
+        raise ValueError(f"Invalid names: {len(names)} for {len(state['delays'])} optimizer parameters")
+    params: dict[str, dict[str, Any]] = {n: {"delay": d} for n, d in zip(names, state["delays"])}
+    for i, inner in state["inner"]["state"].items():
+        params[names[int(i)]]["inner"] = inner
+    for key in _BUFFERS:
+        for i, value in state.get(key, {}).items():  # checkpoints older than a buffer lack its key
+            params[names[int(i)]][key] = value
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[int(i)] for i in g["params"]]}
+              for g in state["inner"]["param_groups"]]
+    return {"step": state["step"], "filled": state["filled"], "correction": state["correction"], "groups": groups,
+            "params": params}
+
+
+def merge_named_states(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One :func:`name_state` of the whole model from those of its stages (disjoint parameters, one step).
+
+    Groups with the same hyperparameters are merged (the stages' ``[matrix rule, AdamW]`` groups become the
+    whole model's), so the result is the one a single optimizer over the whole model would give."""
+    first = parts[0]
+    for part in parts[1:]:
+        for key in ("step", "filled", "correction"):
+            assert part[key] == first[key], (key, part[key], first[key])  # the stages drained at one step
+    groups: list[dict[str, Any]] = []
+    for part in parts:
+        for group in part["groups"]:
+            hyper = {k: v for k, v in group.items() if k != "params"}
+            same = next((g for g in groups if {k: v for k, v in g.items() if k != "params"} == hyper), None)
+            if same is None:
+                groups.append({**hyper, "params": list(group["params"])})
+            else:
+                same["params"].extend(group["params"])
+    params = {n: s for part in parts for n, s in part["params"].items()}
+    assert len(params) == sum(len(part["params"]) for part in parts), "stages share a parameter"
+    return {"step": first["step"], "filled": first["filled"], "correction": first["correction"], "groups": groups,
+            "params": params}
+
+
+def relayout_refusal(state: dict[str, Any], delays: dict[str, int]) -> str | None:
+    """Why a :func:`name_state` cannot load where the parameters have ``delays`` (by name), or None.
+
+    In an asynchronous phase (``filled``) a parameter with delay ``d`` holds ``d`` stashed weight versions (and
+    ``d`` EF updates) in flight; another delay would need versions that were never kept, or change which
+    gradient meets which weights, so the trajectory could not continue: refused. 2BW's delay is 1 on every
+    stage, so its state moves to any number of stages; PipeDream's (``P-1-s``) and WPipe's depend on ``P``.
+    In a synchronous phase nothing is in flight and every parameter takes its new delay when the next
+    phase fills."""
+    if not state["filled"]:
+        return None
+    moved = [(n, state["params"][n]["delay"], d) for n, d in delays.items()
+             if n in state["params"] and state["params"][n]["delay"] != d]
+    if not moved:
+        return None
+    name, old, new = moved[0]
+    return (f"parameter {name} has delay {old} in the checkpoint and {new} here ({len(moved)} parameters change "
+            f"delay), and its weight versions are in flight (asynchronous phase at step {state['step']})")
 
 
 def build_delayed(optimizer: torch.optim.Optimizer, *, delays: int | Sequence[int], config: Any,

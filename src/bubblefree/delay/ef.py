@@ -29,6 +29,7 @@ class ErrorFeedback(Correction):
 
     hparams: ClassVar[dict[str, Any]] = {"ef_beta": 1.0}
     needs_updates = True
+    state_keys = ("ef",)
     memory_key = "ef"
 
     def __init__(self, params: list[Tensor], delays: list[int], *, ef_beta: float) -> None:

@@ -26,6 +26,7 @@ class WeightPrediction(Correction):
     """``"predict"`` (module docstring): ``predict_scale`` is ``alpha > 0`` (1 extrapolates linearly)."""
 
     hparams: ClassVar[dict[str, Any]] = {"predict_scale": 1.0}
+    state_keys = ("change",)
     memory_key = "predict"
 
     def __init__(self, params: list[Tensor], delays: list[int], *, predict_scale: float) -> None:

@@ -28,6 +28,7 @@ class Taylor(Correction):
     """``"taylor"`` (module docstring): ``taylor_lambda > 0``; ``taylor_adaptive`` for DC-ASGD-a."""
 
     hparams: ClassVar[dict[str, Any]] = {"taylor_lambda": 0.0, "taylor_adaptive": False}
+    state_keys = ("mean_square",)
     memory_key = "taylor"
 
     def __init__(self, params: list[Tensor], delays: list[int], *, taylor_lambda: float,

@@ -38,6 +38,7 @@ class UpdateEMA(Correction):
 
     hparams: ClassVar[dict[str, Any]] = {"nesterov_gamma": 0.99}
     needs_updates = True
+    state_keys = ("momentum", "momentum_count")
     memory_key = "nesterov"  # the key memory reports have used since the first form
     bias_correction: ClassVar[bool] = True
 
@@ -82,14 +83,16 @@ class UpdateEMA(Correction):
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"momentum": {i: b for i, b in enumerate(self.momentum) if b is not None}}
         if self.bias_correction:
-            state["momentum_count"] = list(self.count)
+            state["momentum_count"] = dict(enumerate(self.count))
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.momentum = [None] * len(self.params)
         for i, b in state.get("momentum", {}).items():
             self.momentum[int(i)] = own(b, self.params[int(i)])
-        self.count = [int(n) for n in state.get("momentum_count", [0] * len(self.params))]
+        self.count = [0] * len(self.params)
+        for i, n in state.get("momentum_count", {}).items():
+            self.count[int(i)] = int(n)
 
 
 class UncorrectedUpdateEMA(UpdateEMA):

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from bubblefree.delay import merge_named_states
 from bubblefree.distributed.rank import Rank
 from bubblefree.models import token_loss
 from bubblefree.train.build import validation_batches
@@ -60,26 +61,27 @@ def evaluate(rank: Rank, split: str = "val") -> float | None:
 
 
 def gather_state(rank: Rank) -> dict[str, Any]:
-    """The whole pipeline's state on global rank 0: ``{"runtime": "distributed", "schedule": ..., "stages":
-    [...]}`` with one entry per stage (weights, and the ``DelayedOptimizer`` state: optimizer, stash of weight
-    versions, EF buffers, counters), on the CPU. Every rank must call it; the others get an empty dict."""
-    own = _to_cpu({"module": rank.module.state_dict(), "delayed": rank.stage.delayed.state_dict()})
+    """The whole pipeline's state on global rank 0, in the layout-free form of ``train.checkpoint`` (the
+    simulation's): ``{"layout": {...}, "model": the whole model's weights, "optimizer": the stages'
+    ``DelayedOptimizer`` states keyed by parameter name and merged (inner optimizer, stash of weight versions,
+    EF buffers, counters)}``, on the CPU. Every rank must call it; the others get an empty dict."""
+    own = _to_cpu({"module": rank.module.state_dict(),
+                   "optimizer": rank.stage.delayed.named_state_dict(rank.stage.names)})
     writer = rank.mesh.rank == 0
     gathered: list[Any] | None = [None] * rank.mesh.world_size if writer else None
     dist.gather_object(own, gathered, dst=0)
     if not writer:
         return {}
-    return {"runtime": "distributed", "schedule": rank.pipeline.schedule,
-            "stages": gathered[: rank.P]}  # replicas hold identical copies
+    stages = gathered[: rank.P]  # replicas hold identical copies
+    return {"layout": {"runtime": "distributed", "stages": rank.P, "replicas": rank.mesh.replicas},
+            "model": {name: t for stage in stages for name, t in stage["module"].items()},
+            "optimizer": merge_named_states([stage["optimizer"] for stage in stages])}
 
 
 def load_state(rank: Rank, state: dict[str, Any]) -> None:
-    """Load this rank's stage from what :func:`gather_state` returned on the writer. Every rank passes the
-    whole state (each reads the checkpoint file itself); no communication."""
-    stages = state.get("stages") if state.get("runtime") == "distributed" else None
-    if stages is None or len(stages) != rank.P:
-        found = "not a distributed run's" if stages is None else f"{len(stages)} stages'"
-        raise ValueError(f"Invalid checkpoint: it holds {found} state; this run has {rank.P} stages")
-    mine = stages[rank.mesh.stage]
-    rank.module.load_state_dict(mine["module"])
-    rank.stage.delayed.load_state_dict(mine["delayed"])
+    """Load this rank's stage from a layout-free state (written at any number of stages or replicas, or by the
+    simulation): its weights and its parameters' optimizer state, by name. Every rank passes the whole state
+    (each reads the checkpoint file itself); no communication."""
+    weights = state["model"]
+    rank.module.load_state_dict({name: weights[name] for name in rank.module.state_dict()})
+    rank.stage.delayed.load_named_state_dict(state["optimizer"], rank.stage.names)

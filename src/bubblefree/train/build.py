@@ -8,7 +8,9 @@
   *partition* decides its delay (``schedules.stage_delays``), its *device* decides which gradients are
   clipped together;
 * the optimizer is ``bubblefree.optim.build_optimizer(module, config.optim)``, the loss
-  ``bubblefree.models.token_loss``.
+  ``bubblefree.models.token_loss``; :func:`optimizer_names` names its parameters, the keys of the checkpoint
+  state that any split of the model loads (docs/training.md, resume on another layout), and
+  :func:`delays_by_name` gives each parameter's delay in a layout.
 """
 
 from __future__ import annotations
@@ -24,10 +26,10 @@ from torch import nn
 from bubblefree.config import Config, TrainConfig
 from bubblefree.data import eval_batches, get_batch
 from bubblefree.models.split import StageModule, param_stages, split_model
-from bubblefree.schedules.delays import n_partitions, parameter_delays
+from bubblefree.schedules.delays import n_partitions, parameter_delays, stage_delays
 
-__all__ = ["autocast_for", "build_stage", "parameter_placement", "resolve_device", "train_microbatch",
-           "validation_batches"]
+__all__ = ["autocast_for", "build_stage", "delays_by_name", "optimizer_names", "parameter_placement", "resolve_device",
+           "train_microbatch", "validation_batches"]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -99,3 +101,18 @@ def parameter_placement(model: nn.Module, optimizer: torch.optim.Optimizer,
     params: list[Any] = [p for group in optimizer.param_groups for p in group["params"]]
     device_of = [partition_of[names[id(p)]] % n_stages for p in params]
     return delays, [[p for p, d in zip(params, device_of) if d == device] for device in range(n_stages)]
+
+
+def optimizer_names(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The name of every optimizer parameter in ``module.named_parameters()``, in the optimizer's order. A
+    stage module's names are the whole model's (``models.split``), so the names do not depend on the split."""
+    name_of = {id(p): n for n, p in module.named_parameters()}
+    return [name_of[id(p)] for group in optimizer.param_groups for p in group["params"]]
+
+
+def delays_by_name(model: nn.Module, config: Config) -> dict[str, int]:
+    """Every parameter's delay in the layout of ``config`` (``pipeline.schedule``, ``pipeline.stages``): the
+    ``schedules.stage_delays`` entry of its partition, keyed by its name in ``model.named_parameters()``."""
+    schedule, n_stages = config.pipeline.schedule, config.pipeline.stages
+    delays = stage_delays(schedule, n_stages)
+    return {name: delays[part] for name, part in param_stages(model, n_partitions(schedule, n_stages)).items()}

@@ -14,6 +14,17 @@ either the old set of checkpoints or the new one, never a torn file under a chec
 altered one, naming it and the previous checkpoint to resume from instead. A checkpoint without a manifest
 (written before manifests existed, or copied without one) is loaded unverified, with a warning.
 Files are loaded with ``torch.load(weights_only=True)``: tensors and plain containers only, no pickled code.
+
+**Layout-free state.** The executor's state (format 2) does not depend on how the run was laid out: ``{"layout":
+{"runtime", "stages", "replicas"} (what wrote it, for messages), "model": the whole model's weights by name,
+"optimizer": the DelayedOptimizer state by parameter name}`` (``delay.name_state``: the inner optimizer's
+per-parameter state and param-group hyperparameters, the stashed weight versions, Error Feedback's ring, the
+other corrections' buffers, the step and phase). The simulation writes it directly; the distributed runtime
+gathers and merges its stages' (``distributed.gather``). So a checkpoint resumes at another number of stages,
+of data-parallel replicas, or in the other runtime: each stage picks its parameters by name. What cannot move
+is refused before any step runs: a parameter whose delay the new layout changes while weight versions are in
+flight (``delay.relayout_refusal``; PipeDream and WPipe at another ``P``). Checkpoints of format 1 (written
+before, keyed by position in one layout's optimizers) are converted on load by :func:`layout_free`.
 """
 
 from __future__ import annotations
@@ -37,11 +48,14 @@ import torch
 from bubblefree import __version__
 from bubblefree.errors import UserError
 
-__all__ = ["CHECKPOINT_DIR", "config_digest", "last_good_checkpoint", "latest_checkpoint", "list_checkpoints",
-           "load_checkpoint", "manifest_path", "newer_checkpoints", "restore_rng", "resume_from", "rng_state",
-           "save_checkpoint", "set_aside", "verify_checkpoint"]
+__all__ = ["CHECKPOINT_DIR", "FORMAT", "config_digest", "last_good_checkpoint", "latest_checkpoint", "layout_free",
+           "list_checkpoints", "load_checkpoint", "manifest_path", "newer_checkpoints", "restore_rng", "resume_from",
+           "rng_state", "save_checkpoint", "set_aside", "verify_checkpoint"]
 
 CHECKPOINT_DIR = "checkpoints"
+FORMAT = 2
+"""Format of the checkpoint file: 2 holds the layout-free executor state (module docstring), 1 the state of the
+layout that wrote it (still loaded: :func:`layout_free` converts it)."""
 _NAME = re.compile(r"^step_(\d{8})\.pt$")
 
 
@@ -128,7 +142,7 @@ def save_checkpoint(run_dir: str | Path, *, step: int, executor_state: dict[str,
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"step_{step:08d}.pt"
     tmp, tmp_manifest = (folder / f".{p.name}.tmp-{os.getpid()}" for p in (path, manifest_path(path)))
-    payload = {"format": 1, "step": step, "config": config, "executor": executor_state, "rng": rng_state(),
+    payload = {"format": FORMAT, "step": step, "config": config, "executor": executor_state, "rng": rng_state(),
                "loop": loop_state or {}}
     try:
         _write_synced(tmp, lambda f: _save_torch(payload, f, tmp))
@@ -255,7 +269,7 @@ def load_checkpoint(path: str | Path, *, map_location: str | torch.device = "cpu
         why = "has no manifest and " if manifest is None else ""
         raise _damaged(path, f"{why}cannot be read: it is truncated or not a checkpoint "
                              f"({type(e).__name__})", advice_for) from None
-    if not isinstance(payload, dict) or payload.get("format") != 1:
+    if not isinstance(payload, dict) or payload.get("format") not in (1, FORMAT):
         raise UserError(f"Invalid checkpoint: {path} is not a bubblefree checkpoint")
     if manifest is None:
         print(f"bubblefree: warning: {path} has no manifest ({manifest_path(path).name}); loaded it unverified",
@@ -265,3 +279,35 @@ def load_checkpoint(path: str | Path, *, map_location: str | torch.device = "cpu
               f"{manifest.get('torch')}, this is {__version__} with {torch.__version__}: the resumed steps may "
               f"differ in the last bits from those the original versions would compute", file=sys.stderr, flush=True)
     return payload
+
+
+def layout_free(ckpt: dict[str, Any], model: torch.nn.Module) -> dict[str, Any]:
+    """The executor state of ``ckpt`` (what :func:`load_checkpoint` returned) in the layout-free form (module
+    docstring), which every executor loads at any layout.
+
+    A format-1 checkpoint holds its optimizer states by position: in the simulation's one optimizer over
+    ``model``, or, from the distributed runtime, in each stage's optimizer over ``split_model(model, P)``
+    (``{"runtime": "distributed", "stages": [...]}``). The optimizers are rebuilt from the checkpoint's own
+    config (without state) only to name those positions, in the order the executors build them."""
+    state = ckpt["executor"]
+    if ckpt["format"] == FORMAT:
+        return state
+    from bubblefree.config import config_from_dict
+    from bubblefree.delay import merge_named_states, name_state
+    from bubblefree.models.split import split_model
+    from bubblefree.optim import build_optimizer
+    from bubblefree.train.build import optimizer_names
+
+    saved = config_from_dict(ckpt["config"], origin="checkpoint")
+
+    def named(module: torch.nn.Module, delayed: dict[str, Any]) -> dict[str, Any]:
+        return name_state(delayed, optimizer_names(module, build_optimizer(module, saved.optim)))
+
+    if state.get("runtime") == "distributed":
+        stages = split_model(model, len(state["stages"]))
+        return {"layout": {"runtime": "distributed", "stages": len(stages), "replicas": None},
+                "model": {name: t for part in state["stages"] for name, t in part["module"].items()},
+                "optimizer": merge_named_states([named(m, part["delayed"])
+                                                 for m, part in zip(stages, state["stages"])])}
+    return {"layout": {"runtime": "sim", "stages": saved.pipeline.stages, "replicas": 1},
+            "model": state["model"], "optimizer": named(model, state["optimizer"])}

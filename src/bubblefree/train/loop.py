@@ -42,16 +42,18 @@ from bubblefree.config import (
 )
 from bubblefree.data import load_tokens
 from bubblefree.data.tokens import fingerprint, resolved_source
+from bubblefree.delay import relayout_refusal
 from bubblefree.errors import FILESYSTEM_ERRNOS, FileSystemFault, TrainingDiverged, UserError, describe_os_error
 from bubblefree.models import build_model
 from bubblefree.models.presets import PRESETS as MODEL_PRESETS
 from bubblefree.optim import resolve_defaults
 from bubblefree.optim.schedule import lr_scale
-from bubblefree.train.build import resolve_device
+from bubblefree.train.build import delays_by_name, resolve_device
 from bubblefree.train.checkpoint import (
     CHECKPOINT_DIR,
     last_good_checkpoint,
     latest_checkpoint,
+    layout_free,
     load_checkpoint,
     newer_checkpoints,
     restore_rng,
@@ -63,13 +65,16 @@ from bubblefree.train.folders import check_ours, hold
 from bubblefree.train.metrics import METRICS_FILE, MetricsWriter, plot_losses, progress_bar, tensorboard_writer
 from bubblefree.train.sim import SimExecutor
 
-__all__ = ["RESUMABLE_KEYS", "ExecutorFactory", "Interrupted", "SetupBarrier", "StopRule", "TrainingDiverged",
-           "check_fresh_out_dir", "check_lengths", "resolved", "resume_hint", "train"]
+__all__ = ["LAYOUT_KEYS", "RESUMABLE_KEYS", "ExecutorFactory", "Interrupted", "SetupBarrier", "StopRule",
+           "TrainingDiverged", "check_fresh_out_dir", "check_lengths", "resolved", "resume_hint", "train"]
 
 # Keys a resumed run may change: they decide what is logged, kept or how long the run is, not the trajectory
 # of the steps already taken (a longer ``train.steps`` stretches the cosine over the new length from here on).
 RESUMABLE_KEYS = ("train.steps", "train.eval_every", "train.eval_batches", "train.log_every", "train.ckpt_every",
                   "train.ckpt_keep", "train.device", "train.nonfinite", "log.tensorboard", "log.progress")
+# Keys of the layout a resumed run may change too: the checkpoint's state is keyed by parameter name and moves
+# to the new stages (train.checkpoint), unless a parameter's delay changes while versions are in flight.
+LAYOUT_KEYS = ("pipeline.stages", "pipeline.runtime")
 CONFIG_FILE = "config.toml"
 PLOT_FILE = "loss.png"
 DATA_FILE = "data.json"
@@ -207,10 +212,12 @@ def check_lengths(config: Config, data: Any = None) -> None:
                             f"train.seq_len)")
 
 
-def _resume_state(config: Config, out_dir: Path, resume: bool | str | Path, vocab_size: int, *,
-                  branch: bool, data_moved: bool) -> dict[str, Any] | None:
-    """The checkpoint to continue from, after checking that continuing from it loses nothing; None for a run
-    stopped before its first checkpoint, which starts over at step 0 with its own config."""
+def _resume_state(config: Config, out_dir: Path, resume: bool | str | Path, model: torch.nn.Module,
+                  vocab_size: int, *, branch: bool, data_moved: bool) -> dict[str, Any] | None:
+    """The checkpoint to continue from, its executor state layout-free, after checking that continuing from it
+    loses nothing: a changed config (but for RESUMABLE_KEYS and LAYOUT_KEYS), a complete run, a later
+    checkpoint it would overwrite, a layout the asynchronous state cannot move to. None for a run stopped
+    before its first checkpoint, which starts over at step 0 with its own config."""
     path = latest_checkpoint(out_dir) if resume is True else Path(resume)
     if path is None:
         return None
@@ -218,7 +225,7 @@ def _resume_state(config: Config, out_dir: Path, resume: bool | str | Path, voca
     saved = config_from_dict(ckpt["config"], origin=f"checkpoint {path}")
     # Compared resolved: a run folder written before config.toml held resolved values resumes too. Moved data
     # may be named anew (its tokens are checked against the run's by _check_data).
-    may_change = RESUMABLE_KEYS + (("data.source",) if data_moved else ())
+    may_change = RESUMABLE_KEYS + LAYOUT_KEYS + (("data.source",) if data_moved else ())
     differ = {k: v for k, v in config_diff(resolved(saved, vocab_size), resolved(config, vocab_size)).items()
               if k not in may_change}
     if differ:
@@ -233,6 +240,14 @@ def _resume_state(config: Config, out_dir: Path, resume: bool | str | Path, voca
                         f"{newer[-1].name}); continuing from step {ckpt['step']} would overwrite that; add "
                         f"--branch to continue anyway: the newer checkpoints and a copy of {METRICS_FILE} are "
                         f"moved to {out_dir / 'superseded'} first (nothing is deleted)")
+    ckpt["executor"] = layout_free(ckpt, model)
+    # Checked here, before the processes of a distributed run meet, so that every one refuses alike.
+    why = relayout_refusal(ckpt["executor"]["optimizer"], delays_by_name(model, config))
+    if why:  # only the number of stages changes delays here (a changed schedule was refused above)
+        before = saved.pipeline.stages
+        raise UserError(f"Invalid --resume: the asynchronous state of {config.pipeline.schedule} cannot move from "
+                        f"pipeline.stages = {before} to {config.pipeline.stages}: {why}; resume with --set "
+                        f"pipeline.stages={before}, or from a checkpoint of a synchronous phase")
     return ckpt
 
 
@@ -286,7 +301,7 @@ def _build(config: Config, out_dir: Path, resume: bool | str | Path, barrier: Se
         if config.train.compile:
             model.compile_blocks()
         pinned = _check_data(config, data, out_dir, resume=bool(resume), data_moved=data_moved)
-        ckpt = _resume_state(config, out_dir, resume, data.vocab_size, branch=branch,
+        ckpt = _resume_state(config, out_dir, resume, model, data.vocab_size, branch=branch,
                              data_moved=data_moved) if resume else None
     except Exception as e:  # reported through the barrier first, so that no other process waits for this one
         failure = e

@@ -28,6 +28,7 @@ from bubblefree.models import aux_loss_sum, token_loss
 from bubblefree.optim import build_optimizer, clip_stage_grads, set_lr_scale
 from bubblefree.train.build import (
     autocast_for,
+    optimizer_names,
     parameter_placement,
     resolve_device,
     train_microbatch,
@@ -59,6 +60,7 @@ class SimExecutor:
         delays, self.stage_params = parameter_placement(model, self.optimizer, config)
         self.delayed = build_delayed(self.optimizer, delays=delays, config=config.delay,
                                      total_steps=config.train.steps)
+        self.names = optimizer_names(model, self.optimizer)
 
     def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with self._autocast():
@@ -100,11 +102,14 @@ class SimExecutor:
         return float(torch.stack(losses).mean())
 
     def state_dict(self) -> dict[str, Any]:
-        return {"model": self.model.state_dict(), "optimizer": self.delayed.state_dict()}
+        """The layout-free state (``train.checkpoint``): weights and optimizer state keyed by parameter name."""
+        return {"layout": {"runtime": "sim", "stages": self.config.pipeline.stages, "replicas": 1},
+                "model": self.model.state_dict(), "optimizer": self.delayed.named_state_dict(self.names)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load a layout-free state written at any layout (``train.checkpoint.layout_free``)."""
         self.model.load_state_dict(state["model"])
-        self.delayed.load_state_dict(state["optimizer"])
+        self.delayed.load_named_state_dict(state["optimizer"], self.names)
 
     def close(self) -> None:
         pass
