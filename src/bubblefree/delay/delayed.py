@@ -267,8 +267,8 @@ class DelayedOptimizer:
         A parameter whose delay differs from the saved one is refused while an asynchronous phase runs
         (:func:`relayout_refusal`); in a synchronous phase nothing is in flight and it takes its own delay.
         """
-        if len(names) != len(self._params):
-            raise ValueError(f"Invalid names: {len(names)} for {len(self._params)} optimizer parameters")
+        if len(names) != len(self.params):
+            raise ValueError(f"Invalid names: {len(names)} for {len(self.params)} optimizer parameters")
         why = relayout_refusal(state, dict(zip(names, self.delays)))
         if why:
             raise UserError(f"Invalid checkpoint: {why}")
@@ -278,7 +278,7 @@ class DelayedOptimizer:
                             f"({len(missing)} of this optimizer's {len(names)} are missing)")
         saved = [state["params"][n] for n in names]
         group_of = {n: g for g in state["groups"] for n in g["params"]}
-        position = {id(p): i for i, p in enumerate(self._params)}
+        position = {id(p): i for i, p in enumerate(self.params)}
         groups = []
         for group in self.optimizer.param_groups:
             mine = [position[id(p)] for p in group["params"]]
