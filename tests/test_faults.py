@@ -138,19 +138,20 @@ def test_a_second_writer_is_refused_naming_the_first_and_the_lock_dies_with_it(r
         pass
 
 
-@pytest.mark.parametrize("command", [
-    ["train", "--preset", "smoke", "--out", "EMPTY"],
-    ["train", "--preset", "smoke", "--set", "pipeline.runtime=distributed", "--out", "EMPTY"],
-    ["reproduce", "optimizers", "--scale", "smoke", "--out", "EMPTY"],
+@pytest.mark.parametrize(("command", "held"), [
+    (["train", "--preset", "smoke", "--out", "EMPTY"], "."),
+    (["train", "--preset", "smoke", "--set", "pipeline.runtime=distributed", "--out", "EMPTY"], "."),
+    # a suite's lock is its own (two suites may fill one results folder; one suite has one writer)
+    (["reproduce", "optimizers", "--scale", "smoke", "--out", "EMPTY"], "work/optimizers"),
 ], ids=["train", "distributed-launcher", "reproduce"])
-def test_every_writer_takes_the_lock_before_it_writes(tmp_path, command):
+def test_every_writer_takes_the_lock_before_it_writes(tmp_path, command, held):
     """A folder whose lock another process holds (here a bare holder, so nothing else differs) is refused by
     each kind of writer before it starts a rank or a run."""
     empty = tmp_path / "empty"
-    empty.mkdir()
+    (empty / held).mkdir(parents=True)
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from bubblefree.train.folders import hold\n"
                                "with hold(sys.argv[1], what='x'):\n print('held', flush=True); time.sleep(120)",
-                               str(empty)], stdout=subprocess.PIPE, text=True)
+                               str(empty / held)], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
         argv = [str(empty) if a == "EMPTY" else a for a in command]

@@ -119,8 +119,9 @@ def test_distributed_sigkill_of_the_launcher_then_resume_matches(tmp_path):
     train(load_config("smoke", None, [*overrides, f"train.steps={steps}"]), out_dir=tmp_path / "sim")
     want, got = read_metrics(tmp_path / "sim" / "metrics.jsonl"), read_metrics(killed / "metrics.jsonl")
     assert [r["step"] for r in got] == list(range(1, steps + 1))
+    measured = {"stage_busy", "bubble", "stage_peak_bytes"}  # what only the distributed runtime logs
     for g, w in zip(got, want):
-        assert g.keys() == w.keys()
+        assert g.keys() - measured == w.keys()
         for key in ("loss", "grad_norm", "lr", "val_loss"):
             assert key not in w or abs(g[key] - w[key]) <= RTOL * abs(w[key]), (key, g, w)
 

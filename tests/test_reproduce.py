@@ -569,7 +569,7 @@ def test_parallel_runs_hand_the_pool_no_more_than_jobs_at_a_time(tmp_path, monke
             raise RuntimeError("run 4 failed")
         return _result(run, 1.0)
 
-    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", CountingPool)
+    monkeypatch.setattr(runner_module, "ProcessPoolExecutor", CountingPool)
     monkeypatch.setattr(runner_module, "_execute", fake)
     runs = sweep_runs(get_scale("smoke"), ("adamw", "muon", "soap", "adan"))
     assert len(runs) >= 8

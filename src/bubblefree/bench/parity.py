@@ -215,9 +215,10 @@ def checkpoint_roundtrip(device_a: str, device_b: str, *, work: str | Path | Non
         train(on(device_a), out_dir=first)
         shutil.copytree(first, there)
         ckpts = dict(list_checkpoints(there))
-        train(on(device_b), out_dir=there, resume=ckpts[2])
+        # Each copy goes back to an older checkpoint of a finished run: a branch (its later steps set aside).
+        train(on(device_b), out_dir=there, resume=ckpts[2], branch=True)
         shutil.copytree(there, back)
-        train(on(device_a), out_dir=back, resume=dict(list_checkpoints(back))[4])
+        train(on(device_a), out_dir=back, resume=dict(list_checkpoints(back))[4], branch=True)
         ref, errors = _losses(first), {}
         for label, run_dir, after in (("resumed on b", there, 2), ("back on a", back, 4)):
             got = _losses(run_dir)

@@ -96,7 +96,8 @@ def reproduce(suite: str, *, scale: str = "cpu", out: str | Path | None = None, 
     if sc.base.train.device == "cuda" and not torch.cuda.is_available():
         raise UserError(f"Invalid scale: {sc.name!r} needs a CUDA device and none is available")
     out = Path(out or f"results/{sc.name}")
-    check_ours(out, what="--out", marker="runs")  # a results folder, or a new or empty one
+    # A results folder, or a new or empty one (work/ alone: a suite's lock, from a suite stopped at its setup).
+    check_ours(out, what="--out", ours=("work",), marker="runs")
     # One process per suite and results folder (two suites may fill one folder at once: their runs are
     # separate files, and a run both need is trained once, the second refused by the run's own lock).
     with hold(out / "work" / suite, what=f"--out (suite {suite})", create=True):
