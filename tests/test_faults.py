@@ -420,3 +420,21 @@ def test_a_final_validation_loss_that_is_not_finite_is_not_done(tmp_path, monkey
     monkeypatch.setattr(SimExecutor, "evaluate", lambda self, split="val": float("nan"))
     got, err = _cli(["train", "--preset", "smoke", *_sets([*TINY, "train.steps=3"]), "--out", str(tmp_path / "r")])
     assert got == 3 and len(err) == 1 and "final validation loss of nan" in err[0], err
+
+
+def test_a_distributed_run_whose_final_validation_loss_is_not_finite_is_not_done(tmp_path, monkeypatch):
+    """The launcher reads the verdict from the run's metrics (its ranks' summary stays with them): a stand-in
+    launch writes the lines a run whose evaluation gave nan leaves behind."""
+    import bubblefree.distributed as distributed
+
+    def launch(config, out_dir, **options):
+        Path(out_dir).mkdir()
+        lines = [{"step": 1, "loss": 5.0, "val_loss": 5.1}, {"step": 2, "loss": 4.9, "val_loss": float("nan")}]
+        (Path(out_dir) / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+
+    monkeypatch.setattr(distributed, "launch_local", launch)
+    monkeypatch.delenv("RANK", raising=False)
+    argv = ["train", "--preset", "smoke", *_sets([*TINY, "train.steps=2", "pipeline.runtime=distributed",
+                                                  "pipeline.stages=2"]), "--out", str(tmp_path / "r")]
+    got, err = _cli(argv)
+    assert got == 3 and len(err) == 1 and "ended at step 2 with a final validation loss of nan" in err[0], err

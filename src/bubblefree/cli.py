@@ -177,16 +177,28 @@ def _train(args: argparse.Namespace) -> int:
 
         if "RANK" in os.environ:  # started by torchrun: this process is one rank
             run_worker(config, out_dir=out_dir, **options)
+            if os.environ["RANK"] != "0":  # the run's verdict is said once, by the rank that wrote it
+                return 0
         else:
             launch_local(config, out_dir, **options)
+        from bubblefree.train.metrics import read_metrics  # the ranks' summary stays with them: read what they wrote
+
+        evaluated = [r for r in read_metrics(out_dir / "metrics.jsonl") if "val_loss" in r]
+        if evaluated:
+            _check_usable(evaluated[-1]["val_loss"], evaluated[-1]["step"], config, out_dir)
         return 0
     summary = train(config, out_dir=out_dir, **options)
-    if not math.isfinite(summary["final_val_loss"]):  # e.g. train.nonfinite = skip skipped (nearly) every batch
-        skipped = " after skipping batches (train.nonfinite = skip)" if config.train.nonfinite == "skip" else ""
-        raise TrainingDiverged(f"training ended at step {summary['steps']} with a final validation loss of "
-                               f"{summary['final_val_loss']}{skipped}: the model is not usable; outputs in "
-                               f"{shlex.quote(str(out_dir))}")
+    _check_usable(summary["final_val_loss"], summary["steps"], config, out_dir)
     return 0
+
+
+def _check_usable(final_val_loss: float, steps: int, config, out_dir: Path) -> None:
+    """A run whose final validation loss is not finite did not end "done": exit 3 (TrainingDiverged)."""
+    if not math.isfinite(final_val_loss):  # e.g. train.nonfinite = skip skipped (nearly) every batch
+        skipped = " after skipping batches (train.nonfinite = skip)" if config.train.nonfinite == "skip" else ""
+        raise TrainingDiverged(f"training ended at step {steps} with a final validation loss of "
+                               f"{final_val_loss}{skipped}: the model is not usable; outputs in "
+                               f"{shlex.quote(str(out_dir))}")
 
 
 def _simulate(args: argparse.Namespace) -> int:
