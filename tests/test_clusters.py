@@ -71,6 +71,7 @@ def _job(tmp_path: Path, run: Path, args: list[str], **env: str) -> subprocess.C
                           timeout=900, check=False)
 
 
+@pytest.mark.slow
 def test_slurm_script_trains_on_two_nodes_and_a_requeued_job_resumes(tmp_path):
     assert shutil.which("bash")
     run = tmp_path / "runs" / "job"

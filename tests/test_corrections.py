@@ -173,6 +173,7 @@ def _committed_run() -> dict:
     return json.loads((ROOT / "results/long/runs/adamw-2bw2-ef-s0-2bce58397f.json").read_text())
 
 
+@pytest.mark.slow
 def test_committed_run_reproduces_its_losses(tmp_path, data_cache):
     """The first 10 steps of a committed AdamW + EF run (2BW, byte-0.5m; the run is 60 steps, so the learning
     rate schedule is the same) give the train and validation losses its JSON records at step 10, bit for bit."""

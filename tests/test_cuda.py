@@ -67,6 +67,7 @@ def test_delayed_optimizer_with_error_feedback_matches_float64(device, name):
     _assert_ok(delayed_parity(device, name, ns_dtype=torch.float32 if name == "muon" else None))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 def test_checkpoint_saved_on_device_resumes_on_cpu_and_back(device, data_cache, tmp_path):
     result = checkpoint_roundtrip(device, "cpu", work=tmp_path)

@@ -27,6 +27,7 @@ def _train(out, *extra: str) -> None:
                  *extra, "--out", str(out)]) == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tokenizer", ["byte", "bpe"])
 def test_export_loads_offline_with_our_logits_and_tokens(tmp_path, monkeypatch, tokenizer):
     run, out = tmp_path / "run", tmp_path / "hf"
@@ -51,6 +52,7 @@ def test_export_loads_offline_with_our_logits_and_tokens(tmp_path, monkeypatch, 
     torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5 * float(ours.abs().max()))  # float32
 
 
+@pytest.mark.slow
 def test_moe_and_bad_sources_are_one_line_errors(tmp_path, capsys):
     run = tmp_path / "moe"
     _train(run, "--set", "model.preset=moe-20m", "--set", "train.steps=1", "--set", "train.eval_batches=1")

@@ -114,6 +114,7 @@ def _wait(predicate, proc: subprocess.Popen, what: str, timeout: float = 600) ->
         time.sleep(0.02)
 
 
+@pytest.mark.slow
 def test_a_second_writer_is_refused_naming_the_first_and_the_lock_dies_with_it(run):
     """The issue's race: --resume RUN while RUN trains. The second writer (train, export, a fresh --out on it)
     is refused with the first one's pid and changes nothing; after a SIGKILL the lock is gone (never stale)."""
@@ -138,6 +139,7 @@ def test_a_second_writer_is_refused_naming_the_first_and_the_lock_dies_with_it(r
         pass
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("command", "held"), [
     (["train", "--preset", "smoke", "--out", "EMPTY"], "."),
     (["train", "--preset", "smoke", "--set", "pipeline.runtime=distributed", "--out", "EMPTY"], "."),
@@ -375,6 +377,7 @@ def test_a_name_too_long_is_one_line(tmp_path):
 
 # Signals and endings ---------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("storm", [[signal.SIGTERM, signal.SIGINT], [signal.SIGINT] * 3 + [signal.SIGTERM] * 3],
                          ids=["term-then-int", "storm"])
 def test_any_sequence_of_signals_stops_at_a_step_boundary(tmp_path, storm):
@@ -397,6 +400,7 @@ def test_any_sequence_of_signals_stops_at_a_step_boundary(tmp_path, storm):
     assert max(r["step"] for r in read_metrics(out / "metrics.jsonl")) == stopped
 
 
+@pytest.mark.slow
 def test_sigterm_during_setup_is_exit_130_and_leaves_nothing(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "bubblefree", "train", "--preset", "smoke",

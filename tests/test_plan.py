@@ -183,6 +183,7 @@ def _check_stage_fields(records: list[dict], stages: int) -> None:
     assert all(a <= b for before, after in itertools.pairwise(peaks) for a, b in zip(before, after))
 
 
+@pytest.mark.slow
 def test_2bw_run_measures_the_plans_peak_memory_and_logs_busy_shares(tmp_path):
     """A real two-process 2BW + EF run (AdamW, 6M parameters a stage): each stage's measured peak
     (``stage_peak_bytes``, distributed.memory) within 10 % of the plan's total for it."""
@@ -198,6 +199,7 @@ def test_2bw_run_measures_the_plans_peak_memory_and_logs_busy_shares(tmp_path):
         assert abs(peak - plan.total) <= 0.10 * plan.total, (stage, peak, plan)
 
 
+@pytest.mark.slow
 def test_gpipe_run_logs_busy_shares(tmp_path):
     records = _train(tmp_path / "gpipe", "model.preset=llama-1m", "pipeline.schedule=gpipe",
                      "pipeline.microbatches=2", "train.batch_size=4", "train.seq_len=32", "train.steps=3")

@@ -152,6 +152,7 @@ def test_simulation_resumes_at_another_number_of_stages_bit_for_bit(reference, t
     _assert_equal_trees(end["optimizer"], want_end["optimizer"])
 
 
+@pytest.mark.slow
 def test_simulation_to_distributed_at_four_stages_and_back_to_one(reference, tmp_path, cache_dir):
     from bubblefree.distributed import launch_local
 
@@ -175,6 +176,7 @@ def test_simulation_to_distributed_at_four_stages_and_back_to_one(reference, tmp
                         load_checkpoint(_checkpoint(reference["muon"], 8))["executor"]["model"])
 
 
+@pytest.mark.slow
 def test_two_replicas_resume_as_one_in_the_simulation(reference, tmp_path, cache_dir):
     from bubblefree.distributed import launch_local
 
@@ -192,6 +194,7 @@ def _pipedream(cache_dir: str, **overrides: Any) -> Config:
     return tiny(cache_dir, **{"pipeline.schedule": "pipedream", **overrides})
 
 
+@pytest.mark.slow
 def test_pipedream_in_flight_is_refused_at_another_number_of_stages(tmp_path, cache_dir, data_cache):
     # PipeDream's delay is P-1-s: at P = 2 stage 0 holds 1 weight version in flight, at P = 3 it would need 2.
     full = tmp_path / "full"

@@ -145,6 +145,7 @@ def test_bfloat16_autocast_matches_float32_to_bf16_precision(cache_dir, data):
     assert losses["bfloat16"] == pytest.approx(losses["float32"], rel=2e-2)
 
 
+@pytest.mark.slow
 def test_compiled_blocks_follow_the_eager_trajectory(tmp_path, cache_dir):
     """``train.compile`` (per-block torch.compile) trains the same run as eager to float32 rounding: 6 steps of
     2BW + Error Feedback (stale weights swapped in and out around the compiled blocks) within 1e-5."""
