@@ -105,6 +105,7 @@ def test_checkpoint_round_trip(tmp_path, name, save_at):
     resumed.load_state_dict(ckpt["model"])
     again = DelayedOptimizer(AdamW(resumed.parameters(), lr=1e-2), **kw)
     again.load_state_dict(ckpt["opt"])
+    assert again.step_count == save_at
     train(resumed, again, 16, start=save_at)
     for p, q, r in zip(full.parameters(), resumed.parameters(), first.parameters()):
         assert torch.equal(p, q) and torch.equal(p, r)
