@@ -12,11 +12,14 @@ Tests that spawn processes or train suites are marked ``slow`` (registered in py
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import io
 import os
 import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -147,3 +150,24 @@ def killed_at_exit(proc: subprocess.Popen) -> Iterator[subprocess.Popen]:
     finally:
         if group_alive(proc.pid):
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+# -------------------------------------------------------------------------- the command line, in this process
+
+def run_cli(argv: list[str]) -> tuple[int, str]:
+    """Run the CLI in this process; return (exit code, stderr). argparse's errors exit through SystemExit."""
+    from bubblefree.cli import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            code = main(argv)
+        except SystemExit as e:
+            code = e.code
+    return code, err.getvalue()
+
+
+def folder_digest(root: Path) -> dict[str, str]:
+    """``{relative path: sha256}`` of every file under ``root``: equal before and after means no byte changed."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}

@@ -4,9 +4,6 @@ traceback, change no existing file and create no output folder."""
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import io
 import os
 import re
 import shlex
@@ -16,10 +13,10 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from bubblefree.cli import main
 from bubblefree.config import CHOICES, Config, config_to_dict
 from bubblefree.train.loop import train
 from bubblefree.train.presets import load_config
+from conftest import folder_digest, run_cli
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "reliability.md"
 MARKER = "<!-- bad-input table"
@@ -63,33 +60,17 @@ def places(tmp_path_factory) -> dict[str, Path]:
             "SHORT": root / "short.txt", "MINE": mine, "LONG": root / ("x" * 300)}
 
 
-def _digest(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
-
-
-def _run(argv: list[str]) -> tuple[int, str]:
-    """Run the CLI in this process; return (exit code, stderr). argparse's errors exit through SystemExit."""
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        try:
-            code = main(argv)
-        except SystemExit as e:
-            code = e.code
-    return code, err.getvalue()
-
-
 def _substitute(text: str, places: dict[str, Path]) -> str:
     return re.sub(r"\b(RUN|DAMAGED|BARE|NEW|BADTOML|SHORT|MINE|LONG)\b", lambda m: str(places[m.group(1)]), text)
 
 
 def _check_refused(argv: list[str], places: dict[str, Path], code: int = 2) -> str:
     root = places["RUN"].parent
-    before = _digest(root)
-    got, err = _run(argv)
+    before = folder_digest(root)
+    got, err = run_cli(argv)
     assert got == code, (argv, got, err)
     assert "Traceback" not in err and err.strip(), (argv, err)
-    assert _digest(root) == before, argv  # nothing changed, nothing new (NEW is under root)
+    assert folder_digest(root) == before, argv  # nothing changed, nothing new (NEW is under root)
     assert not places["NEW"].exists(), argv
     return err
 

@@ -11,7 +11,6 @@ hashed before and after).
 from __future__ import annotations
 
 import builtins
-import contextlib
 import errno
 import hashlib
 import io
@@ -26,12 +25,12 @@ from pathlib import Path
 
 import pytest
 
-from bubblefree.cli import main
 from bubblefree.train.checkpoint import _save_torch, _write_synced, list_checkpoints
 from bubblefree.train.folders import LOCK_FILE, hold, holder_pids
 from bubblefree.train.loop import resume_hint
 from bubblefree.train.metrics import read_metrics
 from bubblefree.train.sim import SimExecutor
+from conftest import folder_digest, run_cli
 
 TINY = ["train.seq_len=32", "train.batch_size=4", "train.eval_batches=2", "train.eval_every=3",
         "train.log_every=1", "train.ckpt_every=3", "train.ckpt_keep=3", "log.progress=false"]
@@ -48,29 +47,19 @@ def _sets(overrides: list[str]) -> list[str]:
     return [arg for o in overrides for arg in ("--set", o)]
 
 
-def _digest(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
-
-
 def _cli(argv: list[str]) -> tuple[int, list[str]]:
     """Run the CLI in this process; return (exit code, stderr lines)."""
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        try:
-            code = main(argv)
-        except SystemExit as e:
-            code = e.code
-    return code, err.getvalue().strip().splitlines()
+    code, err = run_cli(argv)
+    return code, err.strip().splitlines()
 
 
 def _refused(argv: list[str], folder: Path, code: int, message: str) -> str:
     """Run ``argv``: it must exit ``code`` with one line holding ``message`` and change nothing in ``folder``."""
-    before = _digest(folder)
+    before = folder_digest(folder)
     got, err = _cli(argv)
     assert got == code and len(err) == 1 and "Traceback" not in err[0], (argv, got, err)
     assert message in err[0], (message, err)
-    assert _digest(folder) == before, argv
+    assert folder_digest(folder) == before, argv
     return err[0]
 
 
@@ -189,7 +178,7 @@ def test_simulate_replaces_its_own_earlier_output(tmp_path):
 # Checkpoint lineage ------------------------------------------------------------------------------------
 
 def test_going_back_a_checkpoint_is_refused_and_branching_keeps_the_future_aside(run):
-    old = _digest(run)
+    old = folder_digest(run)
     _refused(["train", "--resume", _ckpt(run, 3), "--set", "train.steps=6"], run, 2,
              f"{run} went on past step 3 (checkpoint step_00000006.pt); continuing from step 3 would overwrite")
     code, err = _cli(["train", "--resume", _ckpt(run, 3), "--branch", "--set", "train.steps=6"])
@@ -326,12 +315,12 @@ def test_a_read_only_output_folder_is_one_line(tmp_path, monkeypatch):
 
 def test_read_only_checkpoints_on_resume_name_the_last_good_one(run, monkeypatch):
     """The issue's case: every step trains, then the save fails. One line, exit 4, the checkpoints untouched."""
-    checkpoints = _digest(run / "checkpoints")
+    checkpoints = folder_digest(run / "checkpoints")
     _refuse_writes(monkeypatch, run / "checkpoints", errno.EROFS)
     got, err = _cli(["train", "--resume", str(run), "--set", "train.steps=8"])
     assert got == 4 and len(err) == 1 and "Traceback" not in err[0], err
     assert "Read-only file system" in err[0] and f"the last good checkpoint is {_ckpt(run, 6)}" in err[0], err
-    assert _digest(run / "checkpoints") == checkpoints
+    assert folder_digest(run / "checkpoints") == checkpoints
 
 
 def test_a_full_disk_at_the_final_save_names_the_last_good_checkpoint(run, monkeypatch):
@@ -339,7 +328,7 @@ def test_a_full_disk_at_the_final_save_names_the_last_good_checkpoint(run, monke
     temporary file left, the earlier checkpoints intact; after space is freed the resume continues."""
     import torch
 
-    checkpoints = _digest(run / "checkpoints")
+    checkpoints = folder_digest(run / "checkpoints")
     real_save = torch.save
 
     def full(payload, f, *args, **kwargs):
@@ -354,7 +343,7 @@ def test_a_full_disk_at_the_final_save_names_the_last_good_checkpoint(run, monke
     got, err = _cli(["train", "--resume", str(run), "--set", "train.steps=8"])
     assert got == 4 and len(err) == 1 and "Traceback" not in err[0], err
     assert "No space left on device" in err[0] and f"the last good checkpoint is {_ckpt(run, 6)}" in err[0], err
-    assert _digest(run / "checkpoints") == checkpoints  # no torn or temporary file
+    assert folder_digest(run / "checkpoints") == checkpoints  # no torn or temporary file
     monkeypatch.setattr(torch, "save", real_save)
     assert _cli(["train", "--resume", str(run), "--set", "train.steps=8"])[0] == 0
     assert [s for s, _ in list_checkpoints(run)] == [3, 6, 8]
