@@ -6,7 +6,9 @@
   plus how far the resident set grew above its level at that moment (Linux ``VmHWM`` after resetting it
   through ``/proc/self/clear_refs``). The growth is gradients, optimizer state created at the first update,
   update buffers, activations and transients; the C heap may keep freed pages, so it can count a little
-  fragmentation too. Without ``/proc`` (not Linux) it reports nothing.
+  fragmentation too. The kernel's high-water mark is not strictly monotone (pages a heap trim gives back through
+  ``madvise`` can lower it, and its counters are cached per thread), so the probe keeps its own running maximum.
+  Without ``/proc`` (not Linux) it reports nothing.
 
 The probe starts at the rank's first ``train_step``, when the whole model the rank built has been freed
 (only its stage's parameters stay), so the other stages' weights are not counted.
@@ -37,7 +39,7 @@ class PeakMemory:
     then that the run holds for training (CPU only)."""
 
     def __init__(self, device: torch.device, known: int):
-        self.device, self.known, self.base = device, known, None
+        self.device, self.known, self.base, self._max = device, known, None, 0
         if device.type == "cuda":
             return
         try:
@@ -53,7 +55,8 @@ class PeakMemory:
             return torch.cuda.max_memory_allocated(self.device)
         if self.base is None:
             return None
-        return self.known + max(0, _status_bytes("VmHWM") - self.base)
+        self._max = max(self._max, _status_bytes("VmHWM") - self.base)
+        return self.known + self._max
 
 
 def tensor_bytes(*collections) -> int:
