@@ -141,6 +141,11 @@ def test_missing_config_file(tmp_path):
     ("model.preset=lama-5m", "model.preset: 'lama-5m' (did you mean 'llama-5m'?); choose from"),
     ("pipeline.microbatches=3", "train.batch_size: 16 (must be divisible by pipeline.microbatches = 3)"),
     ("delay.ef_beta=1.5", "delay.ef_beta: 1.5 (must be in [0, 1])"),
+    ("delay.correction=update-ema", "optim.momentum: -1.0 (the optimizer's default) with delay.correction = "
+                                    "update-ema (the correction is the optimizer's momentum"),
+    ("delay.correction=update-ema,optim.momentum=0.5", "optim.momentum: 0.5 with delay.correction = update-ema"),
+    ("delay.correction=update-ema,optim.name=adan,optim.momentum=0",
+     "optim.name: 'adan' with delay.correction = update-ema"),
     ("train.nonfinite=skip,pipeline.runtime=distributed", "train.nonfinite: 'skip' needs pipeline.runtime = 'sim'"),
     ("pipeline.runtime=distributed,pipeline.schedule=wpipe",
      "pipeline.schedule: 'wpipe' (the distributed runtime runs"),
@@ -159,6 +164,9 @@ def test_validate_names_the_bad_key(override, fragment):
     ["optim.name=mars", "optim.adamw_lr=0.001"],
     ["pipeline.runtime=distributed", "pipeline.schedule=sync", "pipeline.stages=4"],  # GPipe, said once
     ["pipeline.schedule=1f1b", "pipeline.stages=4"],  # the simulation has no microbatch order
+    *[["delay.correction=update-ema", "optim.momentum=0", f"optim.name={name}"]
+      for name in ("adamw", "muon", "lion", "mars", "soap", "nadamw")],
+    ["delay.correction=nesterov"], ["delay.correction=nesterov", "optim.momentum=0.9"],  # its first form: any
 ])
 def test_validate_accepts(overrides):
     load_config("demo", None, overrides)
@@ -186,7 +194,7 @@ def test_replica_rules_use_the_replica_count():
 
 def test_choices_are_the_registries():
     """The config lists the names the registries above it own; each list must be its registry's."""
-    from bubblefree.config import CHOICES, DISTRIBUTED_SCHEDULES, OptimConfig
+    from bubblefree.config import CHOICES, DISTRIBUTED_SCHEDULES, KEEPS_MOMENTUM, MOMENTUM_CORRECTIONS, OptimConfig
     from bubblefree.delay import CORRECTIONS
     from bubblefree.distributed import ASYNC_SCHEDULES
     from bubblefree.models import PRESETS as MODEL_PRESETS
@@ -197,6 +205,8 @@ def test_choices_are_the_registries():
     assert CHOICES["optim.name"] == tuple(OPTIMIZERS)
     assert CHOICES["pipeline.schedule"] == SCHEDULES
     assert CHOICES["delay.correction"] == tuple(CORRECTIONS)
+    assert MOMENTUM_CORRECTIONS == tuple(name for name, cls in CORRECTIONS.items() if cls.owns_momentum)
+    assert KEEPS_MOMENTUM == tuple(name for name, spec in OPTIMIZERS.items() if not spec.momentum_free)
     assert set(ASYNC_SCHEDULES) <= set(DISTRIBUTED_SCHEDULES) <= set(SCHEDULES)
     only_for = {f.name: f.metadata.get("only_for") for f in dataclasses.fields(OptimConfig)}
     assert set(only_for["adamw_lr"]) == {name for name, spec in OPTIMIZERS.items() if spec.route_key}

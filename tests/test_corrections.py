@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 import torch
 
-from bubblefree.config import DelayConfig, config_from_dict
-from bubblefree.delay import CORRECTIONS, DelayedOptimizer
+from bubblefree.config import Config, DelayConfig, OptimConfig, config_from_dict, validate
+from bubblefree.delay import CORRECTIONS, DelayedOptimizer, build_delayed
 from bubblefree.delay.corrections import HPARAMS
-from bubblefree.optim import AdamW
+from bubblefree.optim import AdamW, build_optimizer
 from test_delay import OPTIMIZERS, SIZES, X0, A, RefAdamW, RefSGDM, c_t, mlp, reference, run_torch, train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,10 +30,11 @@ KNOBS = dict(beta=0.5, lam=0.5, gamma=0.8, alpha=1.5)
 HP = dict(ef_beta=0.5, taylor_lambda=0.5, nesterov_gamma=0.8, predict_scale=1.5)
 
 
-def reference_update_ema(opt, delays, *, T, gamma, ks=0, kc=0, bias_correction=True, **_):
+def reference_update_ema(opt, delays, *, T, gamma, ks=0, kc=0, bias_correction=True, inner=None, **_):
     """docs/delay.md's update EMA with full histories: ``b_{t+1} = gamma b_t + (1 - gamma) u_t``,
-    ``y_{t+1} = y_t - (1 - gamma) u_t - gamma b_{t+1} / (1 - gamma^(t+1))`` (no division without bias correction)."""
-    inner = RefAdamW() if opt.startswith("adamw") else RefSGDM()
+    ``y_{t+1} = y_t - (1 - gamma) u_t - gamma b_{t+1} / (1 - gamma^(t+1))`` (no division without bias correction).
+    ``inner``: the inner optimizer's reference (``update(g, x) -> u``); by default ``opt``'s."""
+    inner = inner or (RefAdamW() if opt.startswith("adamw") else RefSGDM())
     d = np.repeat(delays, SIZES)
     is_async = lambda t: ks <= t < T - kc  # noqa: E731
     start = next((t for t in range(T) if is_async(t)), None)
@@ -86,6 +87,54 @@ def test_update_ema_is_the_uncorrected_one_with_bias_correction():
     np.testing.assert_allclose(run_torch("adamw-update", (2, 1), "nesterov", T=12, gamma=0.9),
                                reference_update_ema("adamw-update", (2, 1), T=12, gamma=0.9, bias_correction=False),
                                rtol=1e-10, atol=1e-12)
+
+
+class RefAdamW0:
+    """AdamW with ``beta1 = 0``, what ``optim.momentum = 0`` makes of it (beta2 0.95 and eps 1e-8 its
+    defaults): ``u_t = lr wd x_t + lr g_t / (sqrt(v_t / (1 - beta2^t)) + eps)``, ``v_t = beta2 v + (1 - beta2) g^2``."""
+
+    def __init__(self, lr: float, weight_decay: float, beta2: float = 0.95, eps: float = 1e-8):
+        self.lr, self.wd, self.beta2, self.eps = lr, weight_decay, beta2, eps
+        self.v, self.k = 0.0, 0
+
+    def update(self, g, x):
+        self.k += 1
+        self.v = self.beta2 * self.v + (1 - self.beta2) * g * g
+        return self.lr * self.wd * x + self.lr * g / (np.sqrt(self.v / (1 - self.beta2**self.k)) + self.eps)
+
+
+def test_update_ema_around_momentum_free_adamw_from_the_config_matches_a_float64_recursion():
+    """update-ema as a config runs it: ``optim.momentum = 0`` (which ``validate`` requires) builds AdamW with
+    beta1 = 0, ``build_delayed`` wraps it; at delay 1 over 12 steps it is the bias-corrected outer EMA of
+    :class:`RefAdamW0`'s updates (float64 both sides, rtol 1e-10: only the order of the float operations
+    differs). At the default momentum the two momenta compound and the trajectory moves far from it."""
+    T, gamma, lr, wd = 12, 0.8, 0.05, 0.1
+    config = Config()
+    config.optim.name, config.optim.lr, config.optim.momentum, config.optim.weight_decay = "adamw", lr, 0.0, wd
+    config.delay.correction, config.delay.nesterov_gamma = "update-ema", gamma
+    validate(config)
+
+    def run(optim: OptimConfig) -> np.ndarray:
+        holder = torch.nn.Module()
+        holder.a, holder.b = (torch.nn.Parameter(torch.tensor(part)) for part in np.split(X0, np.cumsum(SIZES)[:-1]))
+        opt = build_optimizer(holder, optim)
+        assert opt.param_groups[0]["betas"] == (optim.momentum if optim.momentum >= 0 else 0.9, 0.95)
+        delayed = build_delayed(opt, delays=[1, 1], config=config.delay, total_steps=T)
+        out = []
+        for t in range(T):
+            delayed.zero_grad()
+            with delayed.stale_params():
+                x = torch.cat([holder.a, holder.b])
+                (0.5 * x @ torch.tensor(A) @ x - torch.tensor(c_t(t)) @ x).backward()
+            delayed.step()
+            out.append(torch.cat([holder.a, holder.b]).detach().numpy().copy())
+        return np.array(out)
+
+    got = run(config.optim)
+    want = reference_update_ema("adamw", (1, 1), T=T, gamma=gamma, inner=RefAdamW0(lr, wd))
+    np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
+    compounded = run(dataclasses.replace(config.optim, momentum=-1.0))  # what validate refuses: beta1 0.9 inside
+    assert np.abs(compounded - want).max() > 1e-3
 
 
 @pytest.mark.parametrize("name", CORRECTIONS)

@@ -24,7 +24,7 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bubblefree.config import Config
+from bubblefree.config import MOMENTUM_CORRECTIONS, Config
 from bubblefree.delay import CORRECTIONS
 from bubblefree.distributed import PipelineFailure, launch_local
 from bubblefree.schedules.ir import one_f_one_b_order
@@ -44,6 +44,8 @@ def _config(schedule: str, stages: int, microbatches: int, *, steps: int = 5, sy
     c.train.steps, c.train.batch_size, c.train.seq_len = steps, 2 * microbatches, 16
     c.train.device, c.train.eval_batches = "cpu", 2
     c.optim.name, c.optim.lr = "adamw", 1e-2
+    if correction in MOMENTUM_CORRECTIONS:  # the correction is the momentum: the optimizer runs without its own
+        c.optim.momentum = 0.0
     c.delay.correction, c.delay.sync_start_steps, c.delay.sync_cooldown_steps = correction, sync_start, cooldown
     # each correction's knob away from its default and large enough to move the trajectory (lambda: DC-ASGD-a)
     c.delay.taylor_lambda, c.delay.taylor_adaptive = 1.0, correction == "taylor"

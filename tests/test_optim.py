@@ -367,6 +367,29 @@ def test_resolved_defaults_build_the_same_optimizer(name):
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
+def test_momentum_free_is_what_the_knob_at_zero_does(name):
+    """``OptimizerSpec.momentum_free``: at ``optim.momentum = 0`` a momentum-free rule reads past gradients
+    only through sign-blind statistics (second moments, Gram matrices), so flipping the sign of the previous
+    gradient leaves the update unchanged; a momentum (the default knob's, or Adan's average of gradient
+    differences at any knob) moves it. Three steps, the middle gradient flipped (SOAP's first step only builds
+    its basis); on a hidden matrix, so the property is the matrix rule's."""
+    gen = torch.Generator().manual_seed(SEED)
+    g0, g1, g2, w = (torch.randn(12, 8, generator=gen) for _ in range(4))
+
+    def last_update(momentum: float, middle: Tensor) -> Tensor:
+        holder = nn.Module()
+        holder.w = nn.Parameter(w.clone())
+        opt = build_optimizer(holder, OptimConfig(name=name, momentum=momentum, weight_decay=0.0))
+        for g in (g0, middle, g2):  # compute_updates leaves w alone: every update is taken at the same point
+            holder.w.grad = g.clone()
+            update = opt.compute_updates()[0]
+        return update
+
+    assert torch.equal(last_update(0.0, g1), last_update(0.0, -g1)) == OPTIMIZERS[name].momentum_free
+    assert not torch.equal(last_update(-1.0, g1), last_update(-1.0, -g1))  # the default has a momentum
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
 def test_every_optimizer_reduces_the_loss(name):
     # A copy task the model can learn by heart in 30 steps; to move to the trainer's smoke preset.
     torch.manual_seed(0)

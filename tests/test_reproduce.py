@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from bubblefree.cli import main
-from bubblefree.config import apply_overrides, config_to_dict, validate
+from bubblefree.config import MOMENTUM_CORRECTIONS, apply_overrides, config_to_dict, validate
 from bubblefree.experiments import SCALES, SUITES, get_scale, reproduce, run_id, runner as runner_module
 from bubblefree.experiments.runner import Run
 from bubblefree.experiments.suites import MOMENTA
@@ -195,11 +195,13 @@ def test_every_suite_builds_valid_comparable_runs(suite, scale):
         for group in groups.values():
             sync = [r for r in group if r.variant == "sync"]
             assert len({r.seed for r in sync}) >= 2, "every gap needs two sync seeds for its noise floor"
-            # everything a gap compares differs from its sync baseline only in the delay keys
+            # everything a gap compares differs from its sync baseline only in the delay keys, and in the
+            # optimizer's momentum where the correction is that momentum, moved outside the delay (update-ema)
             keys = {(r.config.pipeline.stages, r.config.optim.lr, r.config.model.preset, r.config.train.steps,
-                     r.config.train.batch_size, r.config.optim.momentum, r.config.optim.weight_decay)
-                    for r in group}
-            assert len(keys) == 1, keys
+                     r.config.train.batch_size, r.config.optim.weight_decay) for r in group}
+            momenta = {r.config.optim.momentum for r in group if r.config.delay.correction not in MOMENTUM_CORRECTIONS}
+            assert len(keys) == 1 and len(momenta) == 1, (keys, momenta)
+            assert all(r.config.optim.momentum == 0 for r in group if r.config.delay.correction in MOMENTUM_CORRECTIONS)
         if suite == "sensitivity":  # batch changes keep the token budget
             tokens = {r.config.train.steps * r.config.train.batch_size for r in mine}
             assert len(tokens) == 1

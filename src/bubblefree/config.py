@@ -65,6 +65,11 @@ DISTRIBUTED_SCHEDULES = ("sync", "gpipe", "1f1b", "2bw", "pipedream")
 """The schedules the distributed runtime runs (``wpipe`` puts two model partitions on each device)."""
 CORRECTIONS = ("none", "ef", "taylor", "nesterov", "predict", "update-ema")
 """The names of ``bubblefree.delay.CORRECTIONS``."""
+MOMENTUM_CORRECTIONS = ("update-ema",)
+"""The corrections that are the method's momentum (``Correction.owns_momentum``): they need ``optim.momentum = 0``."""
+KEEPS_MOMENTUM = ("adan",)
+"""The optimizers that keep a momentum of their own at ``optim.momentum = 0`` (``OptimizerSpec.momentum_free``
+False), so that no correction of :data:`MOMENTUM_CORRECTIONS` can run around them."""
 
 
 def _key(default: Any, *, choices: tuple[str, ...] = (), gt: float | None = None, ge: float | None = None,
@@ -113,7 +118,8 @@ class OptimConfig:
 
     momentum: float = _key(-1.0, lt=1, note="negative = default")
     """The one momentum knob of every optimizer (AdamW beta1, Muon mu, SOAP beta1, Adan beta1, Lion beta2,
-    MARS beta1, NAdamW beta1; docs/optimizers.md); negative takes the optimizer's default."""
+    MARS beta1, NAdamW beta1; docs/optimizers.md); negative takes the optimizer's default. Must be 0 with
+    ``delay.correction = "update-ema"``, which is the momentum itself, moved outside the delay."""
 
     weight_decay: float = _key(0.1, ge=0)
     """Decoupled weight decay (the paper uses 0.1)."""
@@ -221,9 +227,11 @@ class DelayConfig:
     correction: str = _key("ef", choices=CORRECTIONS)
     """``none``, ``ef`` (Error Feedback), ``taylor`` (DC-ASGD), ``predict`` (weight prediction: the stale gradient
     is taken at the weights extrapolated along their last change), ``update-ema`` (an outer, bias-corrected EMA
-    of the optimizer's updates), ``nesterov`` (the same EMA without bias correction, b_0 = 0: the name it was first
-    run under, kept so those runs keep their ids). Ajanthan et al.'s method is no correction: ``optim.name =
-    "nadamw"`` with ``correction = "none"``. The rules are in docs/delay.md."""
+    of the optimizer's updates; it is the method's momentum, so it needs ``optim.momentum = 0``: the inner
+    optimizer's own momentum would compound with it), ``nesterov`` (the same EMA without bias correction, b_0 =
+    0, around the optimizer at any momentum: the name it was first run under, kept so those runs keep their
+    ids). Ajanthan et al.'s method is no correction: ``optim.name = "nadamw"`` with ``correction = "none"``. The
+    rules are in docs/delay.md."""
 
     ef_beta: float = _key(1.0, ge=0, le=1)
     """Error Feedback coefficient beta in [0, 1]: x_{t+1} = x_t - u_t - beta (u_t - u_{t-d}); 1 is the paper's rule."""
@@ -238,7 +246,7 @@ class DelayConfig:
 
     nesterov_gamma: float = _key(0.99, ge=0, lt=1)
     """``update-ema`` and ``nesterov`` only: the EMA coefficient gamma in [0, 1) (a time constant of 1 / (1 - gamma)
-    steps)."""
+    steps). With ``update-ema`` it is the run's only momentum (``optim.momentum = 0``)."""
 
     predict_scale: float = _key(1.0, gt=0)
     """Weight prediction only: alpha > 0 in x^ = x_j + alpha d (x_j - x_{j-1}); 1 extrapolates the last change of
@@ -461,10 +469,21 @@ def validate(config: Config, *, replicas: int | None = None) -> Config:
             note = f"; {rules['note']}" if "note" in rules else ""
             raise UserError(f"Invalid {key}: {value} ({problem}{note})")
 
-    train, pipe = config.train, config.pipeline
-    if config.delay.correction == "taylor" and config.delay.taylor_lambda == 0:
+    train, pipe, correction = config.train, config.pipeline, config.delay.correction
+    if correction == "taylor" and config.delay.taylor_lambda == 0:
         raise UserError("Invalid delay.taylor_lambda: 0.0 with delay.correction = taylor (lambda 0 is the plain "
                         "delay: set a lambda > 0, or delay.correction = none)")
+    if correction in MOMENTUM_CORRECTIONS and config.optim.name in KEEPS_MOMENTUM:
+        raise UserError(f"Invalid optim.name: {config.optim.name!r} with delay.correction = {correction} (the "
+                        f"correction is the method's momentum and needs an optimizer without one, but "
+                        f"{config.optim.name} keeps one at optim.momentum = 0 (docs/delay.md): choose another "
+                        f"optimizer)")
+    if correction in MOMENTUM_CORRECTIONS and config.optim.momentum != 0:
+        momentum = config.optim.momentum
+        which = " (the optimizer's default)" if momentum < 0 else ""
+        raise UserError(f"Invalid optim.momentum: {momentum}{which} with delay.correction = {correction} (the "
+                        f"correction is the optimizer's momentum, moved outside the delay: set optim.momentum = 0 "
+                        f"so that the inner optimizer's own momentum does not compound with it)")
     if train.batch_size % pipe.microbatches:
         raise UserError(f"Invalid train.batch_size: {train.batch_size} (must be divisible by "
                         f"pipeline.microbatches = {pipe.microbatches})")

@@ -86,6 +86,10 @@ class Correction:
     """The name of its buffers in :meth:`~bubblefree.delay.delayed.DelayedOptimizer.memory_bytes` (None: it
     holds none)."""
 
+    owns_momentum: ClassVar[bool] = False
+    """Whether the correction is the method's momentum, so that the inner optimizer must run without its own
+    (``optim.momentum = 0``; ``config.MOMENTUM_CORRECTIONS`` lists these names, which a test checks)."""
+
     def __init__(self, params: list[Tensor], delays: list[int], **hparams: Any) -> None:
         self.params, self.delays = params, delays
 

@@ -16,7 +16,30 @@ delayed Nesterov rule ``w_{t+1} = w_t + m_t - (1-gamma) u_t`` with ``m_t = gamma
 ``y_t = w_t + m_t`` written at the level of updates. Around an adaptive optimizer (AdamW, Muon) it is *not*
 Ajanthan et al.'s (2025) method: theirs has no wrapper, it is NAdamW (``optim.name = "nadamw"``, beta1 0.99)
 on the stale gradients with ``correction = "none"``, its look-ahead being NAdam's bias-corrected first moment.
-Here the EMA is stacked on top of the inner optimizer's own momentum, and the two compound.
+
+``"update-ema"`` is the method's momentum, moved outside the delay, so it runs around a momentum-free
+optimizer: the config refuses it unless ``optim.momentum = 0`` (AdamW beta1 = 0, Muon mu = 0, Lion's
+beta2 = 0, which makes it signSGD), and refuses Adan, whose average of gradient differences stays at any
+knob. With the inner momentum ``beta`` left on, ``u_t`` would already be an average of past gradients and
+``b`` an average of that average: the two momenta compound, a gradient reaching the weights through two
+EMAs in series whose mean lags add (``beta / (1 - beta) + gamma / (1 - gamma)`` steps, 9 + 99 at 0.9 and 0.99).
+``"nesterov"`` keeps its first form, around the optimizer at any momentum (the runs made with it keep their
+ids and numbers). Muon's and MARS's AdamW groups (embeddings, head, norms) keep beta1 0.9 whatever the knob:
+there the two momenta still compound.
+
+Around AdamW with ``beta1 = 0`` the inner update is ``u_t = lr_t (g_t / (sqrt(v^_t) + eps) + wd y_t)``,
+``v^_t`` Adam's bias-corrected second moment, and with ``m^_{t+1} = b_{t+1} / c_{t+1}`` (the bias-corrected
+mean of the ``u_j``) the rule reads::
+
+    y_{t+1} = y_t - (1 - gamma) u_t - gamma m^_{t+1}
+
+a Nesterov-form Adam: NAdam's step ``lr [(1 - beta1) g_t / (1 - beta1^t) + beta1 m^_t] / (sqrt(v^_t) + eps)``
+has the same shape with ``gamma = beta1``. NAdam averages the raw gradients and divides the average by
+today's ``sqrt(v^_t)``; here each gradient is divided by its own step's ``sqrt(v^_j)`` (and scaled by its own
+step's rate, its weight decay included) before the averaging: the normalisation comes before the averaging.
+Around Muon with ``mu = 0`` the averaged updates are the orthogonalised gradients, likewise. It is still not
+Ajanthan et al.'s method: that is NAdamW itself with ``correction = "none"`` (above), which averages before
+it normalises and whose ``mu_t`` follows NAdam's schedule.
 
 ``b`` is not in-flight state: it carries over the switches. It covers every parameter, delayed or not (one
 buffer each).
@@ -34,12 +57,14 @@ __all__ = ["UncorrectedUpdateEMA", "UpdateEMA"]
 
 
 class UpdateEMA(Correction):
-    """``"update-ema"`` (module docstring): the bias-corrected EMA of the updates, ``nesterov_gamma`` in ``[0, 1)``."""
+    """``"update-ema"`` (module docstring): the bias-corrected EMA of the updates, ``nesterov_gamma`` in ``[0, 1)``,
+    around an optimizer without momentum of its own."""
 
     hparams: ClassVar[dict[str, Any]] = {"nesterov_gamma": 0.99}
     needs_updates = True
     state_keys = ("momentum", "momentum_count")
     memory_key = "nesterov"  # the key memory reports have used since the first form
+    owns_momentum = True
     bias_correction: ClassVar[bool] = True
 
     def __init__(self, params: list[Tensor], delays: list[int], *, nesterov_gamma: float) -> None:
@@ -96,7 +121,8 @@ class UpdateEMA(Correction):
 
 
 class UncorrectedUpdateEMA(UpdateEMA):
-    """``"nesterov"``: :class:`UpdateEMA` without the bias correction (``c = 1``), as the project first ran it;
-    the name is kept so that those runs keep their ids and meaning."""
+    """``"nesterov"``: :class:`UpdateEMA` without the bias correction (``c = 1``) and around the optimizer at any
+    momentum, as the project first ran it; the name is kept so that those runs keep their ids and meaning."""
 
+    owns_momentum = False
     bias_correction = False

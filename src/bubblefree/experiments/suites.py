@@ -147,8 +147,10 @@ def mitigation_knobs() -> tuple[Knob, ...]:
              default=1.0, fixed=EF),
         Knob(method=UPDATE_EMA_B0, key="delay.nesterov_gamma", ladder=EMA_LADDER, grid=(0.9, 0.95, 0.99),
              default=0.99, fixed={**ASYNC, "delay.correction": "nesterov"}),
+        # the update EMA is the momentum itself: the optimizer inside runs without its own (config.validate)
         Knob(method="update EMA (bias-corrected)", key="delay.nesterov_gamma", ladder=EMA_LADDER,
-             grid=(0.9, 0.95, 0.99), default=0.99, fixed={**ASYNC, "delay.correction": "update-ema"}),
+             grid=(0.9, 0.95, 0.99), default=0.99,
+             fixed={**ASYNC, "delay.correction": "update-ema", "optim.momentum": 0.0}),
         Knob(method="weight prediction", key="delay.predict_scale", ladder=(0.125, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0),
              grid=(0.5, 1.0, 2.0), default=1.0, fixed={**ASYNC, "delay.correction": "predict"}),
     )

@@ -61,6 +61,12 @@ class OptimizerSpec:
     momentum_kwargs: Callable[[float], dict[str, Any]]
     """Maps the knob's value to constructor keyword arguments (AdamW/MARS ``beta1``, Muon ``mu``, ...)."""
 
+    momentum_free: bool = True
+    """Whether the knob at 0 leaves the rule without a running average of past gradients (a second moment is
+    no momentum: it only scales). Adan's does not: its average of gradient differences (``beta2``) stays.
+    With a ``route_key``, the matrix rule's: the AdamW groups keep their ``beta1`` 0.9 whatever the knob.
+    ``config.KEEPS_MOMENTUM`` lists the optimizers where it is False (a test checks)."""
+
     route_key: str | None = None
     """Group flag that selects the matrix rule (``use_muon``, ``use_mars``); None: one rule for every parameter."""
 
@@ -129,7 +135,8 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
                           state=lambda shape, _: math.prod(shape) + 1),  # exp_avg, step
     "adan": OptimizerSpec(cls=Adan, lr=2.5e-3, betas=(0.98, 0.92, 0.99), weight_decay=0.05, momentum=0.98,
                           momentum_kwargs=lambda m: {"betas": (m, 0.92, 0.99)}, reference=_po("Adan"),
-                          state=lambda shape, _: 4 * math.prod(shape) + 1),  # m, n, v, previous gradient, step
+                          state=lambda shape, _: 4 * math.prod(shape) + 1,  # m, n, v, previous gradient, step
+                          momentum_free=False),  # n, the average of gradient differences, keeps beta2
     "mars": OptimizerSpec(cls=MARS, lr=6e-3, betas=(0.95, 0.99), weight_decay=0.1, momentum=0.95,
                           momentum_kwargs=lambda m: {"betas": (m, 0.99)}, route_key="use_mars", adamw_lr=3e-3,
                           reference=_po("MARS"), state=lambda shape, _: 3 * math.prod(shape) + 1),  # m, v, last g
