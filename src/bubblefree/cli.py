@@ -5,7 +5,7 @@
     bubblefree simulate --stages P --microbatches M --schedules a,b,... [--costs F:B:W[:U]] [--steps T] [--out DIR]
     bubblefree plan [--preset NAME] [--config FILE.toml] [--set KEY=VALUE ...] [--replicas R]
                     [--schedules a,b,...] [--costs F:B:W[:U]] [--steps T] [--out DIR]
-    bubblefree bench {train,optim,delay,pipeline,time-to-loss,device} [--out DIR] [--tiny]
+    bubblefree bench {train,optim,delay,pipeline,time-to-loss,device} [--out DIR] [--tiny] [--point K] [--seeds N]
     bubblefree reproduce SUITE [--scale smoke|cpu|long|gpu] [--out DIR] [--seeds N] [--optimizers A,B,...]
                          [--config FILE.toml] [--set KEY=VALUE ...] [--report]
     bubblefree export RUN_OR_CHECKPOINT --format hf --out DIR
@@ -118,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", metavar="DIR", help="also write the results here")
     bench.add_argument("--tiny", action="store_true",
                        help="device only: run the accelerator check on the CPU with tiny sizes")
+    bench.add_argument("--point", type=int, metavar="K",
+                       help="time-to-loss only: the long scale's steps-suite point K (the same tokens in K times "
+                            "the steps), each schedule at the rate its arm chose on the suite's sweep")
+    bench.add_argument("--seeds", type=int, metavar="N", help="time-to-loss only: seeds per schedule (default 1)")
 
     reproduce = commands.add_parser(
         "reproduce", help="run one of the paper's experiments: runs, a table beside the paper's, plots",
@@ -261,6 +265,9 @@ def _plan(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     if args.tiny and args.name != "device":
         raise UserError(f"Invalid --tiny: only 'bench device' takes it, not 'bench {args.name}'")
+    for option, value in (("--point", args.point), ("--seeds", args.seeds)):
+        if value is not None and args.name != "time-to-loss":
+            raise UserError(f"Invalid {option}: only 'bench time-to-loss' takes it, not 'bench {args.name}'")
     if args.name == "device":  # exit 1 when a part failed, after writing every part's record
         from bubblefree.bench.device import run as device_check
 
@@ -272,7 +279,10 @@ def _bench(args: argparse.Namespace) -> int:
         if e.name != f"bubblefree.bench.{args.name.replace('-', '_')}":
             raise
         raise UserError(f"Invalid benchmark: {args.name!r} is not available in this build") from None
-    module.run(out=Path(args.out) if args.out else None)
+    # --point is a point of the long scale's steps suite (bubblefree.bench.time_to_loss has every option).
+    point = {} if args.point is None else {"scale": "long", "point": args.point}
+    seeds = {} if args.seeds is None else {"seeds": args.seeds}
+    module.run(out=Path(args.out) if args.out else None, **point, **seeds)
     return 0
 
 

@@ -32,6 +32,7 @@ from bubblefree.experiments.scales import Scale, get_scale
 from bubblefree.experiments.suites import Suite, get_suite
 from bubblefree.experiments.sweeps import (
     CHOICE_SEED,
+    cell_best,
     cell_extension,
     cell_report_runs,
     cell_sweep_runs,
@@ -48,7 +49,7 @@ from bubblefree.optim import OPTIMIZERS
 from bubblefree.train.folders import check_ours, hold
 from bubblefree.train.loop import check_lengths
 
-__all__ = ["default_jobs", "report", "reproduce", "suite_tables", "tables", "with_base_overrides"]
+__all__ = ["chosen_rates", "default_jobs", "report", "reproduce", "suite_tables", "tables", "with_base_overrides"]
 
 Rows = list[dict[str, Any]]
 
@@ -292,14 +293,35 @@ def _tune(scale, optimizers: tuple[str, ...], cells: list, execute: Callable[[li
     sweep_rows, rows = [], []
     for x in dict.fromkeys(cell.x for cell in cells):
         point = [cell for cell in cells if cell.x == x]
-        swept = execute(cell_sweep_runs(scale, optimizers, point), "cells")
-        while (extension := cell_extension(scale, optimizers, point, swept)) and (
-                new := execute(extension, "extension")):
-            swept += new
+        swept = _sweep_cells(scale, optimizers, point, execute)
         sweep_rows += swept
         point_done()
         rows += execute(cell_report_runs(scale, optimizers, point, swept), "cells")
     return sweep_rows, rows
+
+
+def _sweep_cells(scale, optimizers: tuple[str, ...], cells: list, execute: Callable[[list[Run], str], Rows]) -> Rows:
+    """Every cell's rate sweep at the choice seed, extended past an end while the best sits there (an extension
+    that yields no rows, one still to run when a suite under way is read, ends it)."""
+    swept = execute(cell_sweep_runs(scale, optimizers, cells), "cells")
+    while (extension := cell_extension(scale, optimizers, cells, swept)) and (new := execute(extension, "extension")):
+        swept += new
+    return swept
+
+
+def chosen_rates(folder: str | Path, scale: Scale, optimizers: tuple[str, ...], cells: list, *, what: str,
+                 hint: str = "") -> dict[tuple[str, str, float], float]:
+    """``{(optimizer, variant, x): rate}`` that each of ``cells`` chose on its sweep, read from ``<folder>/runs``
+    the way the suite's table reads it (:func:`_sweep_cells`, ``sweeps.cell_best``). A UserError, ``what`` is not
+    finished (then ``hint``), while a sweep point (the grid or an extension its best rate calls for) has no
+    result yet."""
+    def load(runs: list[Run], phase: str) -> Rows:
+        if lacking := pending(runs, folder):
+            raise UserError(f"Unfinished sweep: {what} is not finished: {len(lacking)} run(s) missing from "
+                            f"{Path(folder) / 'runs'}, e.g. {min(lacking)}" + (f"; {hint}" if hint else ""))
+        return run_all(runs, folder)  # only reads the finished runs' JSON
+
+    return cell_best(_sweep_cells(scale, optimizers, cells, load))
 
 
 def suite_tables(spec, scale, sweep_rows: Rows, rows: Rows, *, heading: str = "##") -> str:

@@ -25,8 +25,8 @@ from bubblefree.experiments.tables import fmt, markdown_table
 from bubblefree.optim import OPTIMIZERS
 
 __all__ = ["ASYNC", "CHOICE_SEED", "EF", "SYNC", "Cell", "Knob", "cell_best", "cell_extension", "cell_report_runs",
-           "cell_sweep_runs", "cell_sweep_table", "choose_lrs", "knob_best_runs", "knob_extension", "knob_points",
-           "knob_runs", "knob_sweep_runs", "seed_runs", "sweep_extension", "sweep_runs", "sweep_table"]
+           "cell_run", "cell_sweep_runs", "cell_sweep_table", "choose_lrs", "knob_best_runs", "knob_extension",
+           "knob_points", "knob_runs", "knob_sweep_runs", "seed_runs", "sweep_extension", "sweep_runs", "sweep_table"]
 
 Rows = list[dict[str, Any]]
 
@@ -221,7 +221,9 @@ class Cell:
     """The arm's schedule and correction plus the point's keys (batch, steps, ...)."""
 
 
-def _cell_run(scale: Scale, optimizer: str, cell: Cell, lr: float, seed: int, role: str) -> Run:
+def cell_run(scale: Scale, optimizer: str, cell: Cell, lr: float, seed: int, role: str) -> Run:
+    """The run of ``cell`` at ``lr`` and ``seed``: the one place a tuned cell's config is built (the suite's sweeps
+    and reported seeds, and ``bench time-to-loss --point`` on the distributed runtime)."""
     config = apply_overrides(scale.base, {"optim.name": optimizer, "optim.lr": lr, "train.seed": seed,
                                           **cell.overrides})
     return Run(config=config, variant=cell.variant, x=cell.x, tags={"role": role, "lr": lr})
@@ -229,7 +231,7 @@ def _cell_run(scale: Scale, optimizer: str, cell: Cell, lr: float, seed: int, ro
 
 def cell_sweep_runs(scale: Scale, optimizers: tuple[str, ...], cells: list[Cell]) -> list[Run]:
     """Every cell's rate grid (the synchronous sweep's grid) at the choice seed."""
-    return [_cell_run(scale, opt, cell, lr, CHOICE_SEED, "sweep") for cell in cells for opt in optimizers
+    return [cell_run(scale, opt, cell, lr, CHOICE_SEED, "sweep") for cell in cells for opt in optimizers
             for lr in _lr_grid(scale, opt)]
 
 
@@ -262,7 +264,7 @@ def cell_extension(scale: Scale, optimizers: tuple[str, ...], cells: list[Cell],
             grid = _lr_grid(scale, opt, extended=True)
             beyond = [lr for lr in grid if lr > best] if best == max(tried) else [lr for lr in grid if lr < best][::-1]
             if beyond:
-                out.append(_cell_run(scale, opt, cell, beyond[0], CHOICE_SEED, "sweep"))
+                out.append(cell_run(scale, opt, cell, beyond[0], CHOICE_SEED, "sweep"))
     return out
 
 
@@ -277,10 +279,10 @@ def cell_report_runs(scale: Scale, optimizers: tuple[str, ...], cells: list[Cell
             lr = best.get((opt, cell.variant, cell.x))
             if lr is None:
                 continue
-            own += [_cell_run(scale, opt, cell, lr, s, "best") for s in seeds]
+            own += [cell_run(scale, opt, cell, lr, s, "best") for s in seeds]
             sync_lr = best.get((opt, "sync", cell.x))
             if cell.variant != "sync" and sync_lr is not None and sync_lr != lr:
-                at_sync += [_cell_run(scale, opt, cell, sync_lr, s, "sync-lr") for s in seeds]
+                at_sync += [cell_run(scale, opt, cell, sync_lr, s, "sync-lr") for s in seeds]
     return own + at_sync
 
 
