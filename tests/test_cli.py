@@ -226,6 +226,7 @@ def test_every_documented_command_parses_and_every_train_command_validates():
     import shlex
 
     from bubblefree.cli import build_parser
+    from bubblefree.config import validate
     from bubblefree.errors import UserError
     from bubblefree.train.presets import load_config
 
@@ -235,7 +236,7 @@ def test_every_documented_command_parses_and_every_train_command_validates():
         try:
             args = build_parser().parse_args(shlex.split(line, comments=True)[1:])
             if args.command == "train" and args.config is None and args.resume is None:  # no reader's own files
-                load_config(args.preset, None, args.overrides)
+                validate(load_config(args.preset, None, args.overrides))  # the checks across sections too
                 trains += 1
         except (SystemExit, UserError) as err:
             pytest.fail(f"{name}: `{line}`: {err}")
