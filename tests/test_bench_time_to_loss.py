@@ -17,7 +17,7 @@ from bubblefree.bench.time_to_loss import RUNS, compare, configs, summarize
 from bubblefree.config import validate
 from bubblefree.errors import UserError
 from bubblefree.experiments import get_scale, get_suite, run_id
-from bubblefree.experiments.suites import steps_overrides
+from bubblefree.experiments.suite_runs import steps_overrides
 from bubblefree.experiments.sweeps import cell_run, cell_sweep_runs
 from bubblefree.experiments.tables import T975
 from conftest import run_cli

@@ -27,8 +27,8 @@ import pytest
 
 from bubblefree.train.checkpoint import _save_torch, _write_synced, list_checkpoints
 from bubblefree.train.folders import LOCK_FILE, hold, holder_pids
-from bubblefree.train.loop import resume_hint
 from bubblefree.train.metrics import read_metrics
+from bubblefree.train.resume import resume_hint
 from bubblefree.train.sim import SimExecutor
 from conftest import folder_digest, run_cli
 

@@ -14,7 +14,8 @@ from bubblefree.config import apply_overrides, validate
 from bubblefree.data import eval_batches
 from bubblefree.experiments import SCALES, get_scale, reproduce, run_id
 from bubblefree.experiments.reproduce import report
-from bubblefree.experiments.suites import SUITES, steps_overrides
+from bubblefree.experiments.suite_runs import steps_overrides
+from bubblefree.experiments.suites import SUITES
 from bubblefree.experiments.sweeps import (
     CHOICE_SEED,
     cell_best,

@@ -157,8 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from bubblefree.train.loop import check_fresh_out_dir, train
+    from bubblefree.train.loop import train
     from bubblefree.train.presets import run_dir, train_config
+    from bubblefree.train.resume import check_fresh_out_dir
 
     for flag, given in (("--branch", args.branch), ("--data-moved", args.data_moved)):
         if given and args.resume is None:

@@ -18,7 +18,7 @@ known to the resolution of the evaluations.
 ``--scale long`` trains the long-horizon reproduction scale's base run (``byte-0.5m`` to 20 tokens per
 parameter at 1200 steps; docs/results.md) instead, at the learning rate its sweep chose. ``--point K`` (long
 scale) trains the base run of the ``steps`` suite's point ``K`` instead (the same tokens in ``K`` times the
-steps, ``experiments.suites.steps_overrides``), each schedule at the rate its arm chose on the suite's own sweep
+steps, ``experiments.suite_runs.steps_overrides``), each schedule at the rate its arm chose on the suite's own sweep
 (1F1B: the ``sync`` arm's, 2BW + EF: the ``ef`` arm's; ``--lr`` overrides both); the steps default to the
 point's and the evaluations to :data:`POINT_EVALS` per run.
 

@@ -51,7 +51,8 @@ from bubblefree.distributed.p2p import PeerFailure, timeout_s
 from bubblefree.distributed.stop import StopAgreement
 from bubblefree.errors import FileSystemFault, TrainingDiverged, UserError
 from bubblefree.train.folders import hold
-from bubblefree.train.loop import Interrupted, check_fresh_out_dir, resume_hint, train
+from bubblefree.train.loop import Interrupted, train
+from bubblefree.train.resume import check_fresh_out_dir, resume_hint
 
 __all__ = ["PipelineFailure", "exit_at_once", "launch_local", "run_worker"]
 

@@ -9,12 +9,12 @@ paper's recipe (``optim.lr_scale``: 10 % linear warmup, cosine to 10 % of peak).
 A step whose loss or gradient norm is not finite ends the run with :class:`TrainingDiverged` (exit code 3),
 naming the step and the newest checkpoint, unless ``train.nonfinite = "skip"``: the simulation then leaves the
 weights and the optimizer as they were and the loop counts the batch in ``skipped`` (docs/reliability.md).
+What a resume may change, and what it refuses, is :mod:`bubblefree.train.resume`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import math
 import os
@@ -32,8 +32,6 @@ import torch
 
 from bubblefree.config import (
     Config,
-    apply_overrides,
-    config_diff,
     config_from_dict,
     config_to_dict,
     dump_toml,
@@ -41,45 +39,34 @@ from bubblefree.config import (
     validate,
 )
 from bubblefree.data import load_tokens
-from bubblefree.data.tokens import fingerprint, resolved_source
-from bubblefree.delay import relayout_refusal
 from bubblefree.errors import FILESYSTEM_ERRNOS, FileSystemFault, TrainingDiverged, UserError, describe_os_error
 from bubblefree.models import build_model
 from bubblefree.models.presets import PRESETS as MODEL_PRESETS
-from bubblefree.optim import resolve_defaults
 from bubblefree.optim.schedule import lr_scale
-from bubblefree.train.build import delays_by_name, resolve_device
 from bubblefree.train.checkpoint import (
-    CHECKPOINT_DIR,
-    last_good_checkpoint,
-    latest_checkpoint,
-    layout_free,
-    load_checkpoint,
     newer_checkpoints,
     restore_rng,
     save_checkpoint,
     set_aside,
 )
 from bubblefree.train.executor import Executor
-from bubblefree.train.folders import check_ours, hold
+from bubblefree.train.folders import hold
 from bubblefree.train.metrics import METRICS_FILE, MetricsWriter, plot_losses, progress_bar, tensorboard_writer
+from bubblefree.train.resume import (
+    CONFIG_FILE,
+    DATA_FILE,
+    check_data,
+    check_fresh_out_dir,
+    resolved,
+    resume_hint,
+    resume_state,
+)
 from bubblefree.train.sim import SimExecutor
 
-__all__ = ["LAYOUT_KEYS", "RESUMABLE_KEYS", "ExecutorFactory", "Interrupted", "SetupBarrier", "StopRule",
-           "TrainingDiverged", "check_fresh_out_dir", "check_lengths", "resolved", "resume_hint", "train"]
+__all__ = ["ExecutorFactory", "Interrupted", "SetupBarrier", "StopRule", "TrainingDiverged", "check_lengths",
+           "train"]
 
-# Keys a resumed run may change: they decide what is logged, kept or how long the run is, not the trajectory
-# of the steps already taken (a longer ``train.steps`` stretches the cosine over the new length from here on).
-RESUMABLE_KEYS = ("train.steps", "train.eval_every", "train.eval_batches", "train.log_every", "train.ckpt_every",
-                  "train.ckpt_keep", "train.device", "train.nonfinite", "log.tensorboard", "log.progress")
-# Keys of the layout a resumed run may change too: the checkpoint's state is keyed by parameter name and moves
-# to the new stages (train.checkpoint), unless a parameter's delay changes while versions are in flight.
-LAYOUT_KEYS = ("pipeline.stages", "pipeline.runtime")
-CONFIG_FILE = "config.toml"
 PLOT_FILE = "loss.png"
-DATA_FILE = "data.json"
-"""The data the run trains on: ``data.source`` resolved to an absolute path and the tokens' fingerprint
-(``data.tokens.fingerprint``); a resume on other data is refused (docs/reliability.md, "The data is pinned")."""
 
 SetupBarrier = Callable[[Config, "BaseException | None"], None]
 """Called by every process of a run once its local setup (config, checkpoint, data, model) is done or has
@@ -90,19 +77,6 @@ ExecutorFactory = Callable[[Config, torch.nn.Module, Any, Path], Executor]
 """Builds a process's executor from ``(config, model, data, out_dir)``. The loop builds the single-process
 :class:`~bubblefree.train.sim.SimExecutor` itself; the distributed runtime's launcher, which sits above the
 loop, passes one that builds a :class:`~bubblefree.distributed.DistributedExecutor` on every rank."""
-
-
-def check_fresh_out_dir(out_dir: Path) -> None:
-    """Refuse an output folder that already holds a run, or anything else (the user's own files), so nothing
-    is overwritten. Fresh: missing, empty, or holding only the error records of a distributed start that
-    failed (``errors/``, written by the ranks before the run's first file)."""
-    if out_dir.exists() and not out_dir.is_dir():
-        raise UserError(f"Invalid output folder: {out_dir} exists and is not a folder")
-    held = [name for name in (CONFIG_FILE, METRICS_FILE, CHECKPOINT_DIR) if (out_dir / name).exists()]
-    if held:
-        raise UserError(f"Invalid output folder: {out_dir} already holds a run ({', '.join(held)}); "
-                        f"continue it with --resume {shlex.quote(str(out_dir))} or choose another --out")
-    check_ours(out_dir, what="output folder", ours=("errors",))
 
 
 def _sim_executor(config: Config, model: torch.nn.Module, data: Any, out_dir: Path) -> Executor:
@@ -181,21 +155,6 @@ def _is_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
-def resolved(config: Config, vocab_size: int) -> Config:
-    """``config`` with every "take the default" value replaced by the value the run uses: the optimizer's
-    (``optim.registry.resolve_defaults``, the one place they are applied), ``model.vocab_size = 0`` by the
-    tokenizer's ``vocab_size``, ``train.device`` and ``train.dtype = "auto"`` by what auto picks here. It is
-    what config.toml and checkpoints record, and it trains to the same losses bit for bit. The Config a
-    caller passes is not changed (run ids hash the caller's form)."""
-    device = resolve_device(config.train.device).type
-    return apply_overrides(dataclasses.replace(config, optim=resolve_defaults(config.optim)), {
-        "model.vocab_size": config.model.vocab_size or vocab_size,
-        "train.device": device,
-        "train.dtype": config.train.dtype if config.train.dtype != "auto" else
-        ("bfloat16" if device == "cuda" else "float32"),
-    })
-
-
 def check_lengths(config: Config, data: Any = None) -> None:
     """Invalid input the config alone does not show: a sequence longer than the model takes, and (with
     ``data``) a split shorter than one sequence. Found here, before the run folder exists, not at step 1."""
@@ -210,72 +169,6 @@ def check_lengths(config: Config, data: Any = None) -> None:
             raise UserError(f"Invalid data: the {split} split of {data.source} has {n} tokens, a sequence of "
                             f"train.seq_len = {seq_len} needs {seq_len + 1} (use more text or a smaller "
                             f"train.seq_len)")
-
-
-def _resume_state(config: Config, out_dir: Path, resume: bool | str | Path, model: torch.nn.Module,
-                  vocab_size: int, *, branch: bool, data_moved: bool) -> dict[str, Any] | None:
-    """The checkpoint to continue from, its executor state layout-free, after checking that continuing from it
-    loses nothing: a changed config (but for RESUMABLE_KEYS and LAYOUT_KEYS), a complete run, a later
-    checkpoint it would overwrite, a layout the asynchronous state cannot move to. None for a run stopped
-    before its first checkpoint, which starts over at step 0 with its own config."""
-    path = latest_checkpoint(out_dir) if resume is True else Path(resume)
-    if path is None:
-        return None
-    ckpt = load_checkpoint(path)
-    saved = config_from_dict(ckpt["config"], origin=f"checkpoint {path}")
-    # Compared resolved: a run folder written before config.toml held resolved values resumes too. Moved data
-    # may be named anew (its tokens are checked against the run's by _check_data).
-    may_change = RESUMABLE_KEYS + LAYOUT_KEYS + (("data.source",) if data_moved else ())
-    differ = {k: v for k, v in config_diff(resolved(saved, vocab_size), resolved(config, vocab_size)).items()
-              if k not in may_change}
-    if differ:
-        listed = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in differ.items())
-        raise UserError(f"Invalid --resume: the config differs from the checkpoint's in {listed}")
-    if ckpt["step"] >= config.train.steps:
-        raise UserError(f"Invalid --resume: the run is complete at step {ckpt['step']} of train.steps = "
-                        f"{config.train.steps}; extend it with --set train.steps=N")
-    newer = newer_checkpoints(out_dir, ckpt["step"])
-    if newer and not branch:  # continuing here would overwrite the run's later checkpoints and metrics
-        raise UserError(f"Invalid --resume: {out_dir} went on past step {ckpt['step']} (checkpoint "
-                        f"{newer[-1].name}); continuing from step {ckpt['step']} would overwrite that; add "
-                        f"--branch to continue anyway: the newer checkpoints and a copy of {METRICS_FILE} are "
-                        f"moved to {out_dir / 'superseded'} first (nothing is deleted)")
-    ckpt["executor"] = layout_free(ckpt, model)
-    # Checked here, before the processes of a distributed run meet, so that every one refuses alike.
-    why = relayout_refusal(ckpt["executor"]["optimizer"], delays_by_name(model, config))
-    if why:  # only the number of stages changes delays here (a changed schedule was refused above)
-        before = saved.pipeline.stages
-        raise UserError(f"Invalid --resume: the asynchronous state of {config.pipeline.schedule} cannot move from "
-                        f"pipeline.stages = {before} to {config.pipeline.stages}: {why}; resume with --set "
-                        f"pipeline.stages={before}, or from a checkpoint of a synchronous phase")
-    return ckpt
-
-
-def _check_data(config: Config, data: Any, out_dir: Path, *, resume: bool, data_moved: bool) -> dict[str, Any]:
-    """The run's data record (:data:`DATA_FILE`); on resume, refuse data other than the run's, saying what
-    differs. A run folder from before data was pinned has no record: it is pinned from this resume on."""
-
-    now = {"source": resolved_source(config.data.source), **fingerprint(data)}
-    if not resume or not (out_dir / DATA_FILE).exists():
-        return now
-    try:
-        pinned = json.loads((out_dir / DATA_FILE).read_text())
-        was = pinned["source"]
-    except (ValueError, KeyError, TypeError):
-        raise UserError(f"Invalid --resume: {out_dir / DATA_FILE} is not a data record (the run's data is "
-                        f"unknown)") from None
-    differ = [f"{k.replace('_', ' ')} {pinned.get(k)} -> {now[k]}" for k in ("train_tokens", "val_tokens")
-              if pinned.get(k) != now[k]]
-    if pinned.get("sha256") != now["sha256"]:
-        differ.append(f"sha256 {str(pinned.get('sha256'))[:12]}... -> {now['sha256'][:12]}...")
-    where = (f"data.source {config.data.source} is {now['source']}, the run trained on {was}" if was != now["source"]
-             else f"{was} changed since the run trained on it")
-    if differ:
-        raise UserError(f"Invalid --resume: the data differs from the run's: {where} ({', '.join(differ)}); "
-                        f"resume where data.source names the run's data")
-    if was != now["source"] and not data_moved:
-        raise UserError(f"Invalid --resume: {where}; the tokens are the same: continue on them with --data-moved")
-    return now
 
 
 def _build(config: Config, out_dir: Path, resume: bool | str | Path, barrier: SetupBarrier | None,
@@ -300,8 +193,8 @@ def _build(config: Config, out_dir: Path, resume: bool | str | Path, barrier: Se
         model = build_model(config.model.preset, vocab_size=config.model.vocab_size or data.vocab_size)
         if config.train.compile:
             model.compile_blocks()
-        pinned = _check_data(config, data, out_dir, resume=bool(resume), data_moved=data_moved)
-        ckpt = _resume_state(config, out_dir, resume, model, data.vocab_size, branch=branch,
+        pinned = check_data(config, data, out_dir, resume=bool(resume), data_moved=data_moved)
+        ckpt = resume_state(config, out_dir, resume, model, data.vocab_size, branch=branch,
                              data_moved=data_moved) if resume else None
     except Exception as e:  # reported through the barrier first, so that no other process waits for this one
         failure = e
@@ -354,21 +247,6 @@ class _BusyWindow:
             out["stage_peak_bytes"] = list(stats.peak_bytes)
         self.busy, self.window = [], []
         return out
-
-
-def resume_hint(out_dir: Path) -> str:
-    """Where a stopped run can continue from, for its last line: the last good checkpoint (never one without a
-    manifest) and the command, or how to start over when it has none yet."""
-    good = last_good_checkpoint(out_dir)
-    again = f"--resume {shlex.quote(str(out_dir))}"
-    if not (out_dir / CONFIG_FILE).is_file():  # stopped before the run's first file: a fresh start is the same
-        return "nothing of the run was written yet (run the same command again)"
-    if good is None:
-        return f"no checkpoint was written yet (start over with {again})"
-    newest = latest_checkpoint(out_dir)
-    if newest != good:  # the newest has no manifest: resume from the good one, keeping the other aside
-        again = f"--resume {shlex.quote(str(good))} --branch"
-    return f"the last good checkpoint is {good}; continue with {again}"
 
 
 def _diverged(step: int, stats: Any, out_dir: Path, config: Config) -> TrainingDiverged:
