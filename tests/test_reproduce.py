@@ -557,3 +557,53 @@ def test_tuned_arms_sweep_their_own_rates_and_fill_their_tables(tmp_path, monkey
     text = (tmp_path / "p" / "momentum.md").read_text()
     assert "### Learning rate retuned at each momentum" in text and "| adamw | 0.99 |" in text
     assert tables(tmp_path / "p", "momentum") in text
+
+
+def test_dry_run_counts_the_runs_reproduce_then_runs_and_times_them_by_their_shape(tmp_path, monkeypatch, capsys):
+    """``--dry-run`` runs nothing; where every sweep lands inside its grid its count is exact: on a fresh folder and
+    on one a stopped suite left, the runs it lists are the ones ``reproduce`` goes on to execute, in order, and
+    each is timed by the finished runs of its shape (here a run's time is its step count in seconds)."""
+    from bubblefree.experiments.reproduce import dry_run
+
+    executed, stop_after = [], [5]
+
+    def fake(run, work, **kw):  # every sweep's best is the registry's rate, the centre of its grid
+        if len(executed) == stop_after[0]:
+            raise KeyboardInterrupt
+        executed.append(run_id(run))
+        c = run.config
+        loss = 3.0 + abs(math.log2(c.optim.lr / OPTIMIZERS[c.optim.name].lr)) + 0.01 * c.train.seed
+        return {**_result(run, loss), "wall_time_s": float(c.train.steps)}
+
+    monkeypatch.setattr(runner_module, "_execute", fake)
+    kw = dict(scale="smoke", out=tmp_path, optimizers=("muon",))
+    fresh = dry_run("steps", **kw)
+    assert fresh["finished"] == 0 and fresh["untimed"] == len(fresh["to_run"]) > 5 and fresh["minutes"] == 0
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())  # nothing ran
+    with pytest.raises(KeyboardInterrupt):
+        reproduce("steps", progress=False, jobs=1, **kw)
+    assert executed == fresh["to_run"][:5]
+
+    stopped = dry_run("steps", **kw)
+    assert stopped["finished"] == 5 and stopped["to_run"] == fresh["to_run"][5:]
+    stop_after[0] = 10**6
+    reproduce("steps", progress=False, jobs=1, **kw)
+    assert executed[5:] == stopped["to_run"]
+
+    def shape(rid):
+        c = json.loads((tmp_path / "runs" / f"{rid}.json").read_text())["config"]
+        return c["model"]["preset"], c["train"]["steps"], c["train"]["batch_size"], c["pipeline"]["schedule"]
+
+    timed = {shape(rid) for rid in executed[:5]}
+    expected = [shape(rid)[1] / 60 for rid in stopped["to_run"] if shape(rid) in timed]
+    assert expected and stopped["minutes"] == pytest.approx(sum(expected))
+    assert stopped["untimed"] == len(stopped["to_run"]) - len(expected) > 0
+    assert dry_run("steps", **kw)["to_run"] == []
+
+    before = sorted((tmp_path / "runs").iterdir())
+    assert main(["reproduce", "steps", "--scale", "smoke", "--out", str(tmp_path), "--dry-run"]) == 0
+    out = capsys.readouterr().out  # AdamW's runs are still to come, each of a shape Muon's runs have timed
+    assert f"{len(executed)} run(s) finished, at least {len(fresh['to_run'])} to run" in out, out
+    assert f"about {sum(int(shape(rid)[1]) for rid in executed) / 60:.0f} core-minutes" in out, out
+    assert sorted((tmp_path / "runs").iterdir()) == before
+    assert main(["reproduce", "steps", "--dry-run", "--report", "--out", str(tmp_path)]) == 2

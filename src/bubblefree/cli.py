@@ -7,7 +7,7 @@
                     [--schedules a,b,...] [--costs F:B:W[:U]] [--steps T] [--out DIR]
     bubblefree bench {train,optim,delay,pipeline,time-to-loss,device} [--out DIR] [--tiny] [--point K] [--seeds N]
     bubblefree reproduce SUITE [--scale smoke|cpu|long|gpu] [--out DIR] [--seeds N] [--optimizers A,B,...]
-                         [--config FILE.toml] [--set KEY=VALUE ...] [--report]
+                         [--config FILE.toml] [--set KEY=VALUE ...] [--report | --dry-run]
     bubblefree export RUN_OR_CHECKPOINT --format hf --out DIR
 
 Exit codes: 0 success; 2 invalid input (one line on stderr naming the problem, nothing written or
@@ -145,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     reproduce.add_argument("--report", action="store_true",
                            help="run nothing: rewrite the table and plots from the runs finished so far "
                                 "(a suite under way shows '-' for the rest)")
+    reproduce.add_argument("--dry-run", action="store_true",
+                           help="run nothing: count the runs still to come (at least: a sweep still to run may "
+                                "extend past its grid) and time them by the finished runs of the same shape")
 
     export = commands.add_parser(
         "export", help="write a trained model as a Hugging Face folder (transformers loads it offline)",
@@ -309,8 +312,10 @@ def _relative(path: str | None) -> str | None:
 
 def _reproduce(args: argparse.Namespace) -> int:
     from bubblefree.experiments import reproduce
-    from bubblefree.experiments.reproduce import report
+    from bubblefree.experiments.reproduce import dry_run, report
 
+    if args.report and args.dry_run:
+        raise UserError("Invalid options: --dry-run with --report (choose one)")
     if args.report:  # the suite's own record says how it ran: run-shaping options would be ignored, so refuse them
         given = [f"--{k}" for k in ("seeds", "optimizers", "jobs", "config") if getattr(args, k) is not None]
         if given or args.overrides:
@@ -326,6 +331,21 @@ def _reproduce(args: argparse.Namespace) -> int:
     if args.jobs is not None and args.jobs < 1:
         raise UserError(f"Invalid --jobs: {args.jobs} (must be >= 1)")
     optimizers = tuple(o for o in args.optimizers.split(",") if o) if args.optimizers else None
+    if args.dry_run:
+        got = dry_run(args.suite, scale=args.scale, out=args.out, seeds=args.seeds, optimizers=optimizers,
+                   jobs=args.jobs, config_file=args.config, overrides=args.overrides)
+        todo, at_once = got["to_run"], min(got["jobs"], max(1, len(got["to_run"])))
+        print(f"bubblefree: {args.suite} ({args.scale}): {got['finished']} run(s) finished, at least {len(todo)} to "
+              f"run (a sweep still to run may extend past its grid)")
+        if todo and got["untimed"] == len(todo):
+            print("  no finished run in this results folder has their shape to time them by")
+        elif todo:
+            untimed = f"; {got['untimed']} run(s) of a shape never run here, not counted" if got["untimed"] else ""
+            print(f"  about {got['minutes']:.0f} core-minutes, {got['minutes'] / at_once:.0f} minutes at --jobs "
+                  f"{at_once} (each run at the median time of the finished runs of its shape){untimed}")
+        if todo:
+            print(f"  next: {todo[0]}")
+        return 0
     command = " ".join(["bubblefree reproduce", args.suite, "--scale", args.scale]
                        + [f"--{k} {v}" for k, v in (("out", _relative(args.out)), ("seeds", args.seeds),
                                                    ("optimizers", args.optimizers), ("jobs", args.jobs),

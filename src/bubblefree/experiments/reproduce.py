@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import time
 from collections.abc import Callable
@@ -49,7 +50,8 @@ from bubblefree.optim import OPTIMIZERS
 from bubblefree.train.folders import check_ours, hold
 from bubblefree.train.loop import check_lengths
 
-__all__ = ["chosen_rates", "default_jobs", "report", "reproduce", "suite_tables", "tables", "with_base_overrides"]
+__all__ = ["chosen_rates", "default_jobs", "dry_run", "report", "reproduce", "suite_tables", "tables",
+           "with_base_overrides"]
 
 Rows = list[dict[str, Any]]
 
@@ -83,26 +85,91 @@ def reproduce(suite: str, *, scale: str = "cpu", out: str | Path | None = None, 
     Raises UserError (a ValueError) for an unknown suite, scale or optimizer, an invalid key or value (before
     any run starts), or ``gpu`` without a GPU.
     """
-    if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
-        raise UserError(f"Invalid jobs: {jobs!r} (must be an integer >= 1)")
-    spec, sc = get_suite(suite), get_scale(scale, seeds=seeds)
-    sc, changed = with_base_overrides(sc, config_file, overrides)
-    jobs = jobs or default_jobs(sc.name)
     commit()  # record the commit of the code this process imported, before the tree can move on
-    chosen = spec.optimizers if optimizers is None else tuple(optimizers)
-    unknown = [o for o in chosen if o not in spec.optimizers]
-    if unknown or not chosen:
-        raise UserError(f"Invalid optimizers: {','.join(chosen)!r} (suite {suite} runs "
-                         f"{', '.join(spec.optimizers)})")
+    spec, sc, chosen, changed, out, jobs = _setup(suite, scale, out, seeds, optimizers, jobs, config_file, overrides)
     if sc.base.train.device == "cuda" and not torch.cuda.is_available():
         raise UserError(f"Invalid scale: {sc.name!r} needs a CUDA device and none is available")
-    out = Path(out or f"results/{sc.name}")
     # A results folder, or a new or empty one (work/ alone: a suite's lock, from a suite stopped at its setup).
     check_ours(out, what="--out", ours=("work",), marker="runs")
     # One process per suite and results folder (two suites may fill one folder at once: their runs are
     # separate files, and a run both need is trained once, the second refused by the run's own lock).
     with hold(out / "work" / suite, what=f"--out (suite {suite})", create=True):
         return _run_suite(suite, spec, sc, chosen, changed, out=out, jobs=jobs, progress=progress, command=command)
+
+
+def _setup(suite, scale, out, seeds, optimizers, jobs, config_file, overrides):
+    """The checked arguments of :func:`reproduce` and :func:`dry_run`: ``(suite, scale, optimizers, base-run
+    changes, results folder, jobs)``."""
+    if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
+        raise UserError(f"Invalid jobs: {jobs!r} (must be an integer >= 1)")
+    spec, sc = get_suite(suite), get_scale(scale, seeds=seeds)
+    sc, changed = with_base_overrides(sc, config_file, overrides)
+    chosen = spec.optimizers if optimizers is None else tuple(optimizers)
+    unknown = [o for o in chosen if o not in spec.optimizers]
+    if unknown or not chosen:
+        raise UserError(f"Invalid optimizers: {','.join(chosen)!r} (suite {suite} runs "
+                         f"{', '.join(spec.optimizers)})")
+    return spec, sc, chosen, changed, Path(out or f"results/{sc.name}"), jobs or default_jobs(sc.name)
+
+
+def dry_run(suite: str, *, scale: str = "cpu", out: str | Path | None = None, seeds: int | None = None,
+            optimizers: tuple[str, ...] | None = None, jobs: int | None = None,
+            config_file: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+    """What :func:`reproduce` with these arguments would still run, running nothing (``--dry-run``): the
+    budget to check before a study that spans sessions.
+
+    The suite's runs are walked in :func:`reproduce`'s order, a batch whose runs have all finished read from
+    ``<out>/runs``. A batch with a run still to come stands in whole with losses that make every sweep in it
+    choose the centre of its grid (the registry's rate), and from then on no extension past a grid's end is
+    counted: ``to_run`` is a lower bound, exact where every sweep has finished or lands inside its grid. Each
+    run to come is timed by the median ``wall_time_s`` of the finished runs under ``<out>/runs`` of the same
+    model, steps, batch and schedule (any suite's: a run's time depends on its shape, not its study);
+    ``minutes`` sums those it could time. Returns ``{"finished", "to_run" (ids, in order), "minutes",
+    "untimed", "jobs"}``.
+    """
+    spec, sc, chosen, _, out, jobs = _setup(suite, scale, out, seeds, optimizers, jobs, config_file, overrides)
+    finished, to_run, guessed = set(), {}, False
+
+    def load(runs: list[Run], phase: str) -> Rows:
+        nonlocal guessed
+        if phase == "extension" and guessed:  # past the end of a grid whose best is not known yet: not counted
+            return []
+        lacking = pending(runs, out)
+        finished.update(run_id(r) for r in runs if run_id(r) not in lacking)
+        to_run.update((run_id(r), r) for r in runs if run_id(r) in lacking)
+        if not lacking:
+            return run_all(runs, out)  # only reads the finished runs' JSON
+        guessed = True  # a choice made on part of a sweep would be no truer than one made on none of it
+        return [_stand_in(r) for r in runs]
+
+    _gather(spec, sc, chosen, load)
+    times: dict[tuple, list[float]] = {}
+    for path in (out / "runs").glob("*.json") if (out / "runs").is_dir() else ():
+        record = json.loads(path.read_text(encoding="utf-8"))
+        if record.get("wall_time_s"):
+            times.setdefault(_shape(record["config"]), []).append(record["wall_time_s"])
+    minutes, untimed = 0.0, 0
+    for run in to_run.values():
+        if got := sorted(times.get(_shape(dataclasses.asdict(run.config)), ())):
+            minutes += got[len(got) // 2] / 60
+        else:
+            untimed += 1
+    return {"finished": len(finished), "to_run": list(to_run), "minutes": minutes, "untimed": untimed,
+            "jobs": jobs}
+
+
+def _stand_in(run: Run) -> dict[str, Any]:
+    """The row of a run still to come, for :func:`dry_run`: its loss is lowest at the registry's rate."""
+    loss = 1e6 + abs(math.log(run.config.optim.lr / OPTIMIZERS[run.optimizer].lr))
+    return {"final_val_loss": loss, "optimizer": run.optimizer, "variant": run.variant, "x": run.x,
+            "seed": run.seed, **run.tags}
+
+
+def _shape(config: dict[str, Any]) -> tuple:
+    """What a run's time depends on (from its config as a dict: a run's JSON or ``dataclasses.asdict``)."""
+    model, train, pipeline = config["model"], config["train"], config["pipeline"]
+    return (model["preset"], train["steps"], train["batch_size"], train["seq_len"], pipeline["schedule"],
+            pipeline["stages"])
 
 
 def _run_suite(suite: str, spec: Suite, sc: Scale, chosen: tuple[str, ...], changed: dict[str, Any], *, out: Path,
