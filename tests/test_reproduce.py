@@ -479,7 +479,9 @@ def test_parallel_runs_hand_the_pool_no_more_than_jobs_at_a_time(tmp_path, monke
 
 def test_a_suite_run_one_optimizer_at_a_time_records_them_all(tmp_path, monkeypatch):
     """``--optimizers muon`` then ``--optimizers adamw`` into one folder: the record keeps both (the suite's
-    order), so the tables rebuilt from it show both; another base run starts a new record."""
+    order), so the tables rebuilt from it show both. Another study of the suite (other seeds or base run) that
+    would drop one of them from the record is refused before it runs anything; with every optimizer it starts
+    a new record."""
     from bubblefree.experiments.reproduce import tables
 
     def fake(run, work, **kw):
@@ -494,9 +496,13 @@ def test_a_suite_run_one_optimizer_at_a_time_records_them_all(tmp_path, monkeypa
     assert record["optimizers"] == ["adamw", "muon"] and set(record["lrs"]) == {"adamw", "muon"}
     results = tables(tmp_path, "momentum").partition("Results")[2]
     assert "| adamw | 0.8 |" in results and "| muon | 0.8 |" in results
-    reproduce("momentum", scale="smoke", out=tmp_path, optimizers=("muon",), progress=False, jobs=1,
-              overrides=["train.steps=12"])
-    assert json.loads((tmp_path / "momentum.json").read_text())["optimizers"] == ["muon"]
+    before = (tmp_path / "momentum.json").read_bytes(), sorted((tmp_path / "runs").iterdir())
+    for other in (["--seeds", "3"], ["--set", "train.steps=12"]):
+        assert main(["reproduce", "momentum", "--scale", "smoke", "--out", str(tmp_path), "--optimizers", "muon",
+                     *other]) == 2
+        assert ((tmp_path / "momentum.json").read_bytes(), sorted((tmp_path / "runs").iterdir())) == before
+    reproduce("momentum", scale="smoke", out=tmp_path, progress=False, jobs=1, overrides=["train.steps=12"])
+    assert json.loads((tmp_path / "momentum.json").read_text())["base_changes"] == {"train.steps": 12}
 
 
 def test_no_committed_result_or_doc_names_a_path_of_the_machine_that_made_it():

@@ -94,6 +94,7 @@ def reproduce(suite: str, *, scale: str = "cpu", out: str | Path | None = None, 
     # One process per suite and results folder (two suites may fill one folder at once: their runs are
     # separate files, and a run both need is trained once, the second refused by the run's own lock).
     with hold(out / "work" / suite, what=f"--out (suite {suite})", create=True):
+        _check_record(out, suite, sc, chosen, changed)
         return _run_suite(suite, spec, sc, chosen, changed, out=out, jobs=jobs, progress=progress, command=command)
 
 
@@ -219,6 +220,26 @@ def _guess(sc: Scale, optimizers: tuple[str, ...], cells: list) -> Rows:
     """Stand-in sweep rows that choose every cell's registry rate: the bar's first estimate of a tuned suite."""
     return [{"role": "sweep", "optimizer": o, "variant": c.variant, "x": c.x, "lr": OPTIMIZERS[o].lr,
              "final_val_loss": 0.0} for c in cells for o in optimizers]
+
+
+def _check_record(out: Path, suite: str, sc: Scale, optimizers: tuple[str, ...],
+                  changed: dict[str, tuple[Any, Any]]) -> None:
+    """Refuse to run where the suite's record in ``out`` is another study's (other scale, seeds or base run) and
+    names optimizers this command does not run: :func:`_write_record` would replace it and their tables would
+    vanish from the folder (their runs' JSON stays, but nothing would tabulate it)."""
+    try:
+        before = json.loads((out / f"{suite}.json").read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return
+    base = {k: b for k, (a, b) in changed.items()}
+    others = [o for o in before.get("optimizers", ()) if o not in optimizers]
+    if others and (before.get("scale"), before.get("seeds"), before.get("base_changes") or {}) != (
+            sc.name, sc.seeds, base):
+        was = f"scale {before.get('scale')}, {before.get('seeds')} seed(s)" + (
+            f", base run changed ({', '.join(before['base_changes'])})" if before.get("base_changes") else "")
+        raise UserError(f"Invalid --out: {out} holds the {suite} suite of {', '.join(others)} at {was}; this "
+                        f"command (scale {sc.name}, {sc.seeds} seed(s){', base run changed' if base else ''}) would "
+                        f"replace that record: run it with the same settings, or give it another --out")
 
 
 def _write_record(out: Path, suite: str, sc: Scale, lrs: dict[str, float], optimizers: tuple[str, ...],
