@@ -3,7 +3,8 @@
 * the optimizer tests' random problem (tests/test_optim.py, tests/test_soap.py): :data:`SEED`,
   :func:`random_params`, :func:`random_grads`, :func:`trajectory`, :func:`relative_error`,
   :func:`write_rounding_bound`, and :func:`pytorch_optimizer`, the reference package or a skip;
-* processes a test starts: :func:`wait_for` and :func:`killed_at_exit` (tests/test_reliability.py).
+* processes a test starts: :func:`wait_for` and :func:`killed_at_exit` (tests/test_reliability.py);
+* a stand-in for a suite's training run: :func:`finished_run` (tests/test_reproduce.py and its neighbours).
 
 Tests that spawn processes or train suites are marked ``slow`` (registered in pyproject.toml): ``pytest -m
 "not slow"`` is the developer's fast loop (docs/architecture.md); plain ``pytest`` runs everything.
@@ -171,3 +172,14 @@ def folder_digest(root: Path) -> dict[str, str]:
     """``{relative path: sha256}`` of every file under ``root``: equal before and after means no byte changed."""
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def finished_run(run, loss, *, final=None, **extra):
+    """What a finished run's JSON holds, for a stand-in ``experiments.runner._execute``: ``loss`` on its curves
+    and, unless ``final`` says otherwise, as its final validation loss."""
+    from bubblefree.config import config_to_dict
+    from bubblefree.experiments import run_id
+
+    return {"id": run_id(run), "config": config_to_dict(run.config), "final_val_loss": loss if final is None else final,
+            "val_curve": [[1, 1, loss]], "train_curve": [[1, 1, loss]], "tokens_per_s": 1.0, "wall_time_s": 1.0,
+            "commit": "c", "machine": "m", **extra}
