@@ -258,6 +258,7 @@ def test_generated_docs_are_up_to_date():
 
     for path, text in generate().items():
         assert path.read_text(encoding="utf-8") == text, f"{path} is out of date: run python -m bubblefree.docs"
-    from bubblefree.docs import stale_results
+    from bubblefree.docs import stale_results, unbacked_intervals
 
     assert stale_results() == []  # every results/FOLDER/SUITE.md holds the tables of its runs' JSON
+    assert unbacked_intervals() == []  # every interval quoted in prose is one a results table holds

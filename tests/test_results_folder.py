@@ -254,3 +254,22 @@ def test_dry_run_counts_the_runs_reproduce_then_runs_and_times_them_by_their_sha
     assert f"about {sum(int(shape(rid)[1]) for rid in executed) / 60:.0f} core-minutes" in out, out
     assert sorted((tmp_path / "runs").iterdir()) == before
     assert main(["reproduce", "steps", "--dry-run", "--report", "--out", str(tmp_path)]) == 2
+
+
+def test_a_figure_with_its_interval_written_by_hand_must_be_in_a_table(tmp_path):
+    """``docs --check``'s prose check: an interval quoted in README.md or docs/ is found in a results table
+    (line breaks aside), and one the tables do not hold (a typo, a table re-run since) is named; code blocks and
+    generated parts are not prose."""
+    from bubblefree.docs import unbacked_intervals
+
+    (tmp_path / "results" / "long").mkdir(parents=True)
+    (tmp_path / "results" / "long" / "steps.md").write_text(
+        "| muon | 0.063 [0.050, 0.075] | 53 % [48 %, 57 %] |\n")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "README.md").write_text("the delay costs 0.063 [0.050,\n0.075] and EF recovers 53 % [48 %,\n"
+                                        "  57 %] of it.\n")
+    assert unbacked_intervals(tmp_path) == []
+    (tmp_path / "docs" / "results.md").write_text(
+        "A gap of 0.063 [0.050, 0.076] here.\n```\nx = 1 [2, 3]\n```\n"
+        "<!-- results:long/steps:begin -->\n0.5 [0.1, 0.9]\n<!-- results:long/steps:end -->\n")
+    assert unbacked_intervals(tmp_path) == ["not in any table under results/: 0.063 [0.050, 0.076] (docs/results.md)"]

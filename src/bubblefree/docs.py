@@ -12,10 +12,12 @@ everything outside the markers is written by hand and left as it is. The parts:
   sessions is tabulated from whatever has been committed. Only results folders kept in the repository can
   back such a part.
 
-``--check`` rewrites nothing and exits 1 when a part is out of date, or when a suite's own table under
+``--check`` rewrites nothing and exits 1 when a part is out of date, when a suite's own table under
 results/ (``results/FOLDER/SUITE.md``, written by ``bubblefree reproduce SUITE --report``) no longer holds the
-tables its runs' JSON give (:func:`stale_results`; a test runs the same comparisons). This
-is a tool for a source checkout: it finds docs/ and results/ next to ``src/``.
+tables its runs' JSON give (:func:`stale_results`), or when a figure with its 95 % interval written in prose
+(``0.063 [0.050, 0.075]`` in README.md or docs/, outside code and generated parts) is in no table under
+results/ (:func:`unbacked_intervals`: a verdict quoted by hand stays the one the runs give). A test runs the same
+comparisons. This is a tool for a source checkout: it finds docs/ and results/ next to ``src/``.
 """
 
 from __future__ import annotations
@@ -30,11 +32,15 @@ from bubblefree.config import reference_markdown
 from bubblefree.experiments.reproduce import tables
 from bubblefree.optim.registry import defaults_markdown
 
-__all__ = ["PARTS", "generate", "main", "splice"]
+__all__ = ["PARTS", "generate", "main", "splice", "stale_results", "unbacked_intervals"]
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS, RESULTS = ROOT / "docs", ROOT / "results"
 _RESULTS_PART = re.compile(r"<!-- (results:([\w.-]+)/([\w-]+)):begin -->")
+_NUMBER = r"-?\d+(?:\.\d+)?(?:\s+%)?"
+_INTERVAL = re.compile(rf"{_NUMBER}\s+\[{_NUMBER},\s+{_NUMBER}\]")
+"""A figure and its interval as the tables write them: ``0.063 [0.050, 0.075]``, ``53 % [48 %, 57 %]``."""
+_NOT_PROSE = re.compile(r"```.*?```|<!-- ([\w:/.-]+):begin -->.*?<!-- \1:end -->", re.S)
 
 PARTS: dict[str, tuple[str, Callable[[], str]]] = {
     "config-reference": ("training.md", reference_markdown),
@@ -81,6 +87,20 @@ def stale_results(results: Path = RESULTS) -> list[str]:
     return out
 
 
+def unbacked_intervals(root: Path = ROOT) -> list[str]:
+    """One line per figure with a 95 % interval written by hand in README.md or docs/*.md (outside fenced code and
+    generated parts) that no table under ``root/results`` holds, whitespace aside."""
+    tables_text = " ".join(" ".join(p.read_text(encoding="utf-8").split()) for p in (root / "results").glob("*/*.md"))
+    out = []
+    for path in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        prose = _NOT_PROSE.sub("", path.read_text(encoding="utf-8"))
+        for match in _INTERVAL.finditer(prose):
+            figure = " ".join(match.group(0).split())
+            if figure not in tables_text:
+                out.append(f"not in any table under results/: {figure} ({path.relative_to(root)})")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bubblefree.docs", description=__doc__)
     parser.add_argument("--check", action="store_true", help="only report parts that are out of date")
@@ -89,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         for path in stale:
             print(f"out of date: {path}", file=sys.stderr)
-        results = stale_results()
+        results = stale_results() + unbacked_intervals()
         for line in results:
             print(line, file=sys.stderr)
         return 1 if stale or results else 0
