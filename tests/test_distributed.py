@@ -22,11 +22,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from torch.func import functional_call
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bubblefree.config import MOMENTUM_CORRECTIONS, Config
-from bubblefree.delay import CORRECTIONS
+from bubblefree.delay import CORRECTIONS, DelayedOptimizer
 from bubblefree.distributed import PipelineFailure, launch_local
+from bubblefree.distributed.stage import StageRuntime
+from bubblefree.optim import AdamW
 from bubblefree.schedules.ir import one_f_one_b_order
 from bubblefree.train.loop import train
 from bubblefree.train.metrics import read_metrics
@@ -104,6 +107,46 @@ def _compare(tmp_path: Path, config: Config, nprocs: int, eval_at: tuple[int, ..
     print(f"relative differences: {rel}")  # the figures of docs/runtime.md (pytest -s)
     assert all(v < RTOL for v in rel.values()), rel
     return rel
+
+
+@pytest.mark.parametrize("delay", [1, 2])
+@pytest.mark.parametrize("make", [lambda ps: AdamW(ps, lr=0.1), lambda ps: torch.optim.SGD(ps, lr=0.1)],
+                         ids=["update-optimizer", "torch-sgd"])
+def test_steps_under_way_compute_on_the_stash_itself_and_keep_their_versions(delay, make):
+    """A stage of delay ``d`` with the pipeline full, as the asynchronous loop runs it: step ``t + d`` is entered
+    before update ``t`` (``d + 1`` steps under way). With an UpdateOptimizer every step's weights are views of the
+    stash or the live weights, so the stage holds ``1 + d`` weight versions however many steps are in flight;
+    with a plain torch optimizer, which steps the live weights in place, the live version is a copy. Either way a
+    step's weights still hold, when it ends, the values it entered with (after the updates in between moved the
+    storages), and its gradient is the one at them (against ``functional_call`` on a copy, exactly)."""
+    torch.manual_seed(0)
+    module = torch.nn.Linear(3, 2)
+    delayed = DelayedOptimizer(make(list(module.parameters())), delays=delay)
+    stage = StageRuntime(module, delayed, n_stages=1, grad_clip=0.0)
+    x = torch.randn(5, 3)
+    entered: dict[int, dict[str, torch.Tensor]] = {}
+
+    def enter(step: int) -> None:
+        stage.enter(step)
+        versions = stage._versions[step]
+        entered[step] = {n: v.detach().clone() for n, v in versions.items()}
+        held = {t.data_ptr() for t in [*stage.params, *(x for ring in delayed.stash for x in ring or [])]}
+        views = [v.data_ptr() in held for v in versions.values()]
+        live = step - stage.updates_done == delay  # ahead = d: the live weights
+        assert all(views) if delayed.stale_until_used or not live else not any(views), (step, views)
+
+    for step in range(delay + 1):
+        enter(step)
+    for step in range(6):
+        stage.forward(step, x).square().sum().backward()
+        want = {n: t.clone().requires_grad_() for n, t in entered[step].items()}
+        functional_call(module, want, (x,)).square().sum().backward()
+        for n, v in stage._versions[step].items():
+            assert torch.equal(v.detach(), entered[step][n]) and torch.equal(v.grad, want[n].grad), (step, n)
+        stage.prepare_update(step, 1.0)
+        stage.update(step)
+        enter(step + delay + 1)
+    assert delayed.stale_until_used == isinstance(delayed.optimizer, AdamW)
 
 
 @pytest.mark.slow

@@ -138,9 +138,10 @@ def test_plan_adds_up_its_parts():
         assert sum(st.params for st in row["stages"]) == params  # every parameter on exactly one rank
         for st in row["stages"]:
             assert st.total == sum(getattr(st, p) for p in PARTS)
-    # 2BW: a stash of one version plus a copy per step under way; EF one update per parameter.
+    # 2BW: a stash of one version (the steps under way compute on views of it and of the live weights) and a
+    # gradient per step under way; EF one update per parameter.
     for st, under_way in zip(rows["2bw"]["stages"], [2, 1]):
-        assert st.stash == (1 + under_way) * st.params and st.correction == st.params
+        assert st.stash == st.params and st.grads == under_way * st.params and st.correction == st.params
     assert all(st.stash == 0 and st.correction == 0 for st in rows["1f1b"]["stages"])
     assert rows["2bw"]["idle_fraction"] < rows["1f1b"]["idle_fraction"]
 

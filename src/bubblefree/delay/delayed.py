@@ -172,10 +172,9 @@ class DelayedOptimizer:
         with ``"predict"``, the predicted point ``x^_{t+ahead}`` instead).
 
         ``ahead`` lets a pipeline run forwards of a later step before this step's update (``0 <= ahead <=
-        d_p`` for every parameter). Aliasing: the returned tensors are stash slots (or the parameters) and
-        stay valid only until the next ``step()``, which writes ``x_{t+1}`` into slot ``t % d`` and swaps
-        storages; clone what must outlive it. Do not modify them. (A prediction from the live weights,
-        ``ahead = d_p``, is a fresh tensor.)
+        d_p`` for every parameter). Aliasing: the returned tensors are stash slots (or the parameters); do not
+        modify them. How long they hold their values is :attr:`stale_until_used`. (A prediction from the live
+        weights, ``ahead = d_p``, is a fresh tensor.)
         """
         out = []
         for i, (p, d) in enumerate(zip(self.params, self.effective_delays())):
@@ -187,6 +186,22 @@ class DelayedOptimizer:
                 predicted = self.corrector.predict_live(i, p, d) if d > 0 else None
                 out.append(p if predicted is None else predicted)
         return out
+
+    @property
+    def stale_until_used(self) -> bool:
+        """Whether the tensors :meth:`stale_tensors` gives for step ``s = t + ahead`` keep ``x_{s-d}`` until the
+        update of step ``s`` itself, so a pipeline can compute step ``s`` on them without a copy.
+
+        True with an :class:`~bubblefree.optim.base.UpdateOptimizer`: a step writes only the slot it frees (slot
+        ``t % d``, which held ``x_{t-d}``, the version of step ``t``, whose forwards and backwards are done) and
+        buffers of its own, and moves the parameter's storage into the stash instead of writing it (for
+        ``ahead < d`` the slot is ``s % d``, which no update before ``s`` frees; for ``ahead = d`` the live
+        storage, which the update of step ``t`` moves to that same slot). A parameter of delay 0 is updated in
+        place, but its step is taken with ``ahead = 0`` and ends before that update. A plain torch optimizer
+        steps the live weights in place while a step taken with ``ahead = d`` still reads them: False, copy those
+        (its stash slots are written only when freed, as above).
+        """
+        return isinstance(self.optimizer, UpdateOptimizer)
 
     @contextmanager
     def stale_params(self, ahead: int = 0) -> Iterator[None]:

@@ -5,11 +5,13 @@ the stash of old weights (docs/spec.md section 3): step ``t`` of stage ``s`` eva
 ``x_{max(t-d_s, a)}`` (``a`` the start of the asynchronous phase). A pipeline runs the forwards of step
 ``t`` while the stage has applied only ``c <= t`` updates (``c = t-1`` for 2BW on all but the last stage,
 ``c = t-d_s`` for PipeDream), so the version is ``delayed.stale_tensors(ahead=t-c)``: the same tensor the
-simulation swaps in with ``stale_params()`` when ``c = t``. It is cloned into fresh leaf tensors (the
-stash slots and parameters change storage at every update) and the step's forwards run on the clone with
-``torch.func.functional_call``; gradients of all the step's microbatches accumulate on the clone and move
+simulation swaps in with ``stale_params()`` when ``c = t``. The step's forwards run on leaf views of those
+tensors (no copy: they keep ``x_{t-d}`` until the update of step ``t``, ``DelayedOptimizer.stale_until_used``;
+with a plain torch optimizer, which steps the live weights in place, on a copy of those) through
+``torch.func.functional_call``; gradients of all the step's microbatches accumulate on the views and move
 to ``p.grad`` when the step's last backward at this stage completes, and only then the stage clips, steps
-and drops the clone.
+and drops the views. So the stage holds the weight versions of PipeDream-2BW's double buffering and no
+more: the live weights and the stash (``d`` versions), whatever the number of steps in flight.
 """
 
 from __future__ import annotations
@@ -51,7 +53,11 @@ class StageRuntime:
         ahead = step - self.updates_done
         assert step not in self._versions and ahead >= 0, (step, self.updates_done)
         stale = self.delayed.stale_tensors(ahead)  # ValueError if the schedule ran too far ahead
-        self._versions[step] = {n: t.detach().clone().requires_grad_(p.requires_grad)
+        if not self.delayed.stale_until_used:  # the live weights will be stepped in place under this step
+            stale = [t.clone() if t is p else t for t, p in zip(stale, self.params)]
+        # detach(): a new leaf over the same storage (and version counter: autograd would refuse a backward
+        # through weights written since the forward, so a broken aliasing rule cannot pass silently)
+        self._versions[step] = {n: t.detach().requires_grad_(p.requires_grad)
                                 for n, t, p in zip(self.names, stale, self.params)}
 
     def abandon(self, step: int) -> None:

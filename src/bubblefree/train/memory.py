@@ -5,12 +5,12 @@ rank) the plan adds up, in bytes:
 
 * ``params``: the rank's parameters (float32 master weights, whatever the compute dtype);
 * ``stash``: the stashed weight versions, ``d`` per parameter of delay ``d`` (2BW 1, PipeDream ``P-1-s``),
-  the delay ``d`` being the staleness the schedule's timeline derives (``schedules.timeline``); and for the
-  schedules the distributed runtime runs asynchronously (2BW, PipeDream) the copy of the weights every step
-  under way computes on (``distributed.stage``: a step's version is cloned at its first forward and dropped at
-  its update), as many as the timeline's ``open_steps``;
+  the delay ``d`` being the staleness the schedule's timeline derives (``schedules.timeline``). The steps
+  under way of the schedules the distributed runtime runs asynchronously (2BW, PipeDream) compute on views of
+  the stash and the live weights, not copies (``distributed.stage``; every optimizer of the registry computes
+  its update before applying it, ``DelayedOptimizer.stale_until_used``);
 * ``grads``: one gradient per parameter, per step under way for those asynchronous schedules (each step's
-  copy of the weights collects its own);
+  view of the weights collects its own), as many as the timeline's ``open_steps``;
 * ``optim``: the optimizer's state (``optim.registry.state_numel``: AdamW 2 floats per parameter, Muon's
   momentum on hidden matrices, SOAP's Gram matrices and eigenbases, ...);
 * ``updates``: the update buffers the optimizer recycles between steps, one per parameter
@@ -50,8 +50,9 @@ from bubblefree.schedules.timeline import Costs, simulate
 __all__ = ["PARTS", "VERSIONED", "StageMemory", "activation_bytes", "format_plan", "plan_memory"]
 
 VERSIONED = ("2bw", "pipedream")
-"""Schedules whose steps the distributed runtime computes on copies of the weights (its asynchronous loop,
-``distributed.executor.ASYNC_SCHEDULES``); the others run on the live weights (torch's stock schedules)."""
+"""Schedules whose steps the distributed runtime computes on weight versions of their own, each collecting its
+own gradient (its asynchronous loop, ``distributed.executor.ASYNC_SCHEDULES``); the others run on the live
+weights (torch's stock schedules)."""
 
 PARTS = ("params", "stash", "grads", "optim", "updates", "correction", "activations")
 """The columns of a stage's plan, in the order they are printed."""
@@ -196,7 +197,7 @@ def plan_memory(config: Config, *, replicas: int = 1, schedules: Sequence[str] =
                                                           backward=costs.backward * unit,
                                                           weight=costs.weight * unit, update=costs.update))
         delays, in_flight = timeline.staleness(), timeline.peak_activations()
-        copies = timeline.open_steps() if name in VERSIONED else [0] * schedule.n_stages
+        under_way = timeline.open_steps() if name in VERSIONED else [0] * schedule.n_stages
         stages = []
         for held in _rank_partitions(schedule):
             parts = {"params": 0, "stash": 0, "grads": 0, "optim": 0, "updates": 0, "correction": 0,
@@ -205,9 +206,9 @@ def plan_memory(config: Config, *, replicas: int = 1, schedules: Sequence[str] =
                 sizes = partition(s, schedule.n_stages)
                 weights = sizes["numel"] * 4  # float32 master weights (and gradients, updates, buffers alike)
                 parts["params"] += weights
-                parts["grads"] += max(1, copies[s]) * weights
+                parts["grads"] += max(1, under_way[s]) * weights
                 parts["updates"] += weights
-                parts["stash"] += (delays[s] + copies[s]) * weights
+                parts["stash"] += delays[s] * weights
                 parts["correction"] += correction_buffers(config.delay.correction, delays[s],
                                                           taylor_adaptive=config.delay.taylor_adaptive) * weights
                 parts["optim"] += sizes["optim"] * 4
