@@ -226,7 +226,11 @@ def _committed_run() -> dict:
 @pytest.mark.slow
 def test_committed_run_reproduces_its_losses(tmp_path, data_cache):
     """The first 10 steps of a committed AdamW + EF run (2BW, byte-0.5m; the run is 60 steps, so the learning
-    rate schedule is the same) give the train and validation losses its JSON records at step 10, bit for bit."""
+    rate schedule is the same) give the train and validation losses its JSON records at step 10: bit for bit on
+    the kind of machine that made it (its JSON's ``machine``), and within a relative 1e-6 on another CPU, whose
+    float32 kernels may sum in another order (an AMD EPYC gave the validation loss 6.8e-8 apart, the train loss
+    equal)."""
+    from bubblefree.experiments.runner import machine
     from bubblefree.train.loop import Interrupted, train as train_run
     from bubblefree.train.metrics import read_metrics
 
@@ -243,5 +247,6 @@ def test_committed_run_reproduces_its_losses(tmp_path, data_cache):
     with pytest.raises(Interrupted):
         train_run(config, out_dir=tmp_path / "run", stop=StopAt10())
     step10 = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["step"] == 10]
-    assert [[10, step10[0]["tokens"], step10[0]["loss"]]] == record["train_curve"][:1]
-    assert [[10, step10[0]["tokens"], step10[0]["val_loss"]]] == record["val_curve"][:1]
+    rel = 0.0 if record["machine"] == machine() else 1e-6
+    for got, want in ((step10[0]["loss"], record["train_curve"][0]), (step10[0]["val_loss"], record["val_curve"][0])):
+        assert [10, step10[0]["tokens"]] == want[:2] and got == pytest.approx(want[2], rel=rel, abs=0.0), (got, want)
