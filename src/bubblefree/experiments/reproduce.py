@@ -233,13 +233,18 @@ def _check_record(out: Path, suite: str, sc: Scale, optimizers: tuple[str, ...],
         return
     base = {k: b for k, (a, b) in changed.items()}
     others = [o for o in before.get("optimizers", ()) if o not in optimizers]
-    if others and (before.get("scale"), before.get("seeds"), before.get("base_changes") or {}) != (
-            sc.name, sc.seeds, base):
+    if others and not _same_study(before, sc, base):
         was = f"scale {before.get('scale')}, {before.get('seeds')} seed(s)" + (
             f", base run changed ({', '.join(before['base_changes'])})" if before.get("base_changes") else "")
         raise UserError(f"Invalid --out: {out} holds the {suite} suite of {', '.join(others)} at {was}; this "
                         f"command (scale {sc.name}, {sc.seeds} seed(s){', base run changed' if base else ''}) would "
                         f"replace that record: run it with the same settings, or give it another --out")
+
+
+def _same_study(record: dict[str, Any], sc: Scale, base_changes: dict[str, Any]) -> bool:
+    """Whether a suite's record (``<suite>.json``) is of the same study: scale, seeds and base run."""
+    return (record.get("scale"), record.get("seeds"), record.get("base_changes") or {}) == (
+        sc.name, sc.seeds, base_changes)
 
 
 def _write_record(out: Path, suite: str, sc: Scale, lrs: dict[str, float], optimizers: tuple[str, ...],
@@ -254,8 +259,7 @@ def _write_record(out: Path, suite: str, sc: Scale, lrs: dict[str, float], optim
         before = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         before = {}
-    same = (before.get("scale"), before.get("seeds"), before.get("base_changes") or {})
-    if same == (sc.name, sc.seeds, base_changes):
+    if _same_study(before, sc, base_changes):
         lrs, runs = {**before.get("lrs", {}), **lrs}, sorted({*before.get("runs", ()), *runs})
         kept = {*before.get("optimizers", ()), *optimizers}
         optimizers = tuple(o for o in get_suite(suite).optimizers if o in kept)
