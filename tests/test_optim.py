@@ -23,6 +23,7 @@ from torch import Tensor, nn
 import bubblefree.optim as bo
 from bubblefree.config import OptimConfig
 from bubblefree.optim import OPTIMIZERS, build_optimizer, resolve_defaults
+from bubblefree.optim.adamw import init_adamw_state
 from conftest import (
     SEED,
     pytorch_optimizer,
@@ -197,6 +198,26 @@ def test_state_dict_round_trip_continues_identically(name):
     run_steps(fresh, restart, grads[10:])
     assert all(torch.equal(a, b) for a, b in zip(params, restart)), f"seed={seed}"
     assert set(saved["state"][0]) >= {"step"} or name == "muon"
+
+
+def test_a_loaded_adamw_step_moves_to_its_parameters_device():
+    """A checkpoint written on one device and resumed on another: torch's load_state_dict leaves ``step``
+    where it was saved, and torch's fused Adam kernel on CUDA refuses a CPU ``step`` (found on an H200: a
+    CPU checkpoint resumed on the GPU stopped at its first step). The "meta" device stands in for the GPU
+    (no kernel runs there, so the check stops at the state's book-keeping, which every AdamW group runs
+    first): the step must follow the parameter, as the moments do."""
+    params = [nn.Parameter(torch.randn(4, 3)), nn.Parameter(torch.randn(3))]
+    saved = bo.AdamW(params)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    saved.step()
+    elsewhere = [nn.Parameter(torch.empty_like(p, device="meta")) for p in params]
+    opt = bo.AdamW(elsewhere)
+    opt.load_state_dict(saved.state_dict())
+    assert all(opt.state[p]["exp_avg"].is_meta and not opt.state[p]["step"].is_meta for p in elsewhere)
+    for p in elsewhere:
+        init_adamw_state(opt.state[p], p)
+    assert all(opt.state[p]["step"].is_meta and opt.state[p]["step"].dtype == torch.float32 for p in elsewhere)
 
 
 @pytest.mark.parametrize("name", CASES)

@@ -41,11 +41,17 @@ def _fused_supported(params: list[Tensor]) -> bool:
 
 
 def init_adamw_state(state: dict[str, Any], p: Tensor) -> None:
-    """Zero moments and a 0-d float32 ``step`` on the parameter's device (the fused kernel reads it there)."""
+    """Zero moments and a 0-d float32 ``step`` on the parameter's device (the fused kernel reads it there).
+
+    A loaded state keeps its ``step`` where it was saved (torch's ``load_state_dict`` moves every other tensor
+    to its parameter's device, and ``step`` only for groups that say ``fused=True``; ours say None, "wherever
+    the kernel exists"), so a CPU checkpoint resumed on a GPU brings a CPU ``step``: moved here, once."""
     if "step" not in state:
         state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
         state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    elif state["step"].device != p.device:
+        state["step"] = state["step"].to(p.device)
 
 
 def _single_tensor_adamw(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2, eps, weight_decay):
