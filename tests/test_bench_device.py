@@ -31,7 +31,7 @@ def test_device_check_script_tiny_end_to_end(tmp_path, data_cache):
     parts = record["parts"]
     assert list(parts) == list(PARTS) and all(p["status"] == "ok" for p in parts.values())
     assert len(parts["checks"]["results"]) == len(CHECKS) and all(r["ok"] for r in parts["checks"]["results"])
-    assert [r["compile"] for r in parts["train"]["rows"]] == ["eager", "torch.compile (eager)"]
+    assert [r["compile"] for r in parts["train"]["rows"]] == ["eager", "torch.compile (eager) per block"]
     for row in parts["train"]["rows"]:
         assert row["ours_tokens_per_s"] > 0 and row["hf_tokens_per_s"] > 0
     assert {r["optimizer"] for r in parts["optim"]["devices"]["cpu"]} >= {"muon", "adamw"}

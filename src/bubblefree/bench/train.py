@@ -110,12 +110,15 @@ def _compare(preset: str, *, batch: int, seq_len: int, steps: int, warmup: int, 
     torch.manual_seed(0)
     ours = build_model(preset, device=device)
     theirs = to_hf_llama(ours).to(device)
+    theirs.config.use_cache = False  # training: no key/value cache (with one, dynamo recompiles HF's compiled
+    # blocks once per layer index, past its limit of 8)
     tokens = torch.randint(0, ours.args.vocab_size, (batch, seq_len + 1), generator=torch.Generator().manual_seed(0))
     tokens = tokens.to(device)
     models = {"ours": ours, "hf": theirs}
     if compile_backend is not None and per_block:
         ours_c = copy.deepcopy(ours)
         theirs_c = to_hf_llama(ours_c).to(device)
+        theirs_c.config.use_cache = False
         for block in [*ours_c.layers, *theirs_c.model.layers]:
             block.compile(backend=compile_backend)
         models.update(ours_compiled=ours_c, hf_compiled=theirs_c)
