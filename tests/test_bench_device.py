@@ -26,11 +26,14 @@ def test_device_check_script_tiny_end_to_end(tmp_path, data_cache):
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "device_check.sh"), str(out), "--tiny"], env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "4/4 parts passed" in proc.stdout and "# Device check: CPU (--tiny)" in proc.stdout
+    assert f"{len(PARTS)}/{len(PARTS)} parts passed" in proc.stdout and "# Device check: CPU (--tiny)" in proc.stdout
     record = json.loads((out / "device.json").read_text())
     parts = record["parts"]
     assert list(parts) == list(PARTS) and all(p["status"] == "ok" for p in parts.values())
     assert len(parts["checks"]["results"]) == len(CHECKS) and all(r["ok"] for r in parts["checks"]["results"])
+    memory = {r["dtype"]: r for r in parts["memory"]["rows"]}
+    assert memory["float32"]["planned"] == memory["float32"]["measured"]  # the CPU: exact (tests/test_plan.py)
+    assert list(memory) == ["bf16 autocast", "float32"] and abs(memory["bf16 autocast"]["ratio"] - 1) <= 0.10
     assert [r["compile"] for r in parts["train"]["rows"]] == ["eager", "torch.compile (eager) per block"]
     for row in parts["train"]["rows"]:
         assert row["ours_tokens_per_s"] > 0 and row["hf_tokens_per_s"] > 0
@@ -41,7 +44,8 @@ def test_device_check_script_tiny_end_to_end(tmp_path, data_cache):
     assert all(r["steps"] == parts["quality"]["steps"] >= 2 and 0 < r["final_val_loss"] < 10 for r in runs)
     assert set(parts["quality"]["gaps"]) == {"muon", "adamw"}
     summary = (out / "device.md").read_text()
-    for heading in ("## Parity", "## Training throughput", "## Optimizer step time", "## Quality"):
+    for heading in ("## Parity", "## Activation memory", "## Training throughput", "## Optimizer step time",
+                    "## Quality"):
         assert heading in summary
     # Every part's record is merged into device.json: four files.
     assert sorted(p.name for p in out.iterdir()) == ["device.json", "device.log", "device.md", "environment.txt"]

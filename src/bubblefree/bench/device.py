@@ -1,11 +1,13 @@
 """``bubblefree bench device``: the accelerator check, one command, at most 8 minutes on one H100/H200.
 
-Four parts, each in its own process with its own time budget, under one global deadline:
+Five parts, each in its own process with its own time budget, under one global deadline:
 
 - ``checks``: :mod:`bubblefree.bench.parity` on CUDA: the model's forward/backward (float32 and bf16
   autocast), every optimizer's ``compute_updates``, ``DelayedOptimizer`` with Error Feedback, and a
   checkpoint saved on CUDA, resumed on the CPU and back, against a float64 CPU reference with stated
   tolerances (the same functions ``tests/test_cuda.py`` runs);
+- ``memory``: ``bubblefree plan``'s activation bytes (float32, and its bfloat16 estimate of autocast) against
+  the tensors autograd saves in a real forward on CUDA at the ``gpu`` scale's shapes, within 10 %;
 - ``optim``: ``bench optim`` on CUDA, our optimizers against their references (Muon's batched
   Newton-Schulz against ``torch.optim.Muon``);
 - ``quality``: the ``gpu`` reproduction scale's run (SmolLM2-135M shapes, BPE 8192, 32 x 512 tokens per
@@ -31,6 +33,7 @@ minute; the test suite runs it. Exit code 0 when every part passed, 1 otherwise 
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import importlib.util
 import json
@@ -57,13 +60,13 @@ from bubblefree.experiments.runner import commit
 
 __all__ = ["BUDGETS_S", "DEADLINE_S", "PARTS", "run"]
 
-PARTS = ("checks", "optim", "quality", "train")
+PARTS = ("checks", "memory", "optim", "quality", "train")
 """In the order they run: cheap and essential first, ``torch.compile`` (the likeliest to be slow) last."""
 
-BUDGETS_S = {"checks": 60.0, "optim": 50.0, "quality": 180.0, "train": 170.0}
+BUDGETS_S = {"checks": 60.0, "memory": 30.0, "optim": 50.0, "quality": 160.0, "train": 170.0}
 """Each part's wall-clock budget on the accelerator, process start-up included."""
 
-TINY_BUDGETS_S = {"checks": 90.0, "optim": 60.0, "quality": 90.0, "train": 90.0}
+TINY_BUDGETS_S = {"checks": 90.0, "memory": 60.0, "optim": 60.0, "quality": 90.0, "train": 90.0}
 """``--tiny`` budgets: generous, for a loaded CPU; an idle one needs a few seconds per part."""
 
 DEADLINE_S = 470.0
@@ -93,6 +96,60 @@ def _checks(budget_s: float, tiny: bool, record: Callable[[dict], None]) -> dict
 
     run_checks("cpu" if tiny else "cuda", on_result=seen)
     return {"results": results, "ok": all(r["ok"] for r in results)}
+
+
+MEMORY_TOL = 0.10
+"""``memory``: the plan's activation bytes may differ from the device's saved tensors by this share."""
+
+
+def _saved_bytes(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, autocast: bool) -> int:
+    """What autograd keeps from a forward to its backward on the device: every saved tensor's storage (by
+    address, parameters excluded), the input and the loss; bf16 autocast's weight copies included."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in params:
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    from bubblefree.models import token_loss
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=autocast):
+        loss = token_loss(model(x), y)
+    for t in (x, loss):
+        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(kept.values())
+
+
+def _memory(budget_s: float, tiny: bool, record: Callable[[dict], None]) -> dict:
+    """``bubblefree plan``'s activation account (a meta-device forward: float32, or the stage converted to
+    bfloat16 as its estimate of autocast) against the tensors a real forward saves on the device, bf16
+    autocast and float32, one whole-model stage. The gpu scale's shapes: vocabulary 8192, 16 x 2048."""
+    from bubblefree.models import build_model
+    from bubblefree.models.split import split_model
+    from bubblefree.train.memory import activation_bytes
+
+    device, preset, vocab, batch, seq_len = (("cpu", "llama-1m", 256, 16, 256) if tiny else
+                                             ("cuda", "smollm2-135m", 8192, 16, 2048))
+    torch.manual_seed(0)
+    model = build_model(preset, vocab_size=vocab, device=device)
+    meta = split_model(build_model(preset, vocab_size=vocab, device="meta"), 1)[0]
+    x, y = (torch.randint(0, vocab, (batch, seq_len), device=device) for _ in range(2))
+    out: dict[str, Any] = {"preset": preset, "vocab_size": vocab, "batch": batch, "seq_len": seq_len, "rows": []}
+    for dtype in ("bfloat16", "float32"):
+        planned = (activation_bytes(copy.deepcopy(meta).to(torch.bfloat16), batch=batch, seq_len=seq_len,
+                                    dtype=torch.bfloat16)  # .to() converts in place: a copy
+                   if dtype == "bfloat16" else activation_bytes(meta, batch=batch, seq_len=seq_len))
+        measured = _saved_bytes(model, x, y, autocast=dtype == "bfloat16")
+        out["rows"].append({"dtype": "bf16 autocast" if dtype == "bfloat16" else "float32", "planned": planned,
+                            "measured": measured, "ratio": planned / measured,
+                            "ok": abs(planned / measured - 1) <= MEMORY_TOL})
+        record(out)
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return {**out, "ok": all(r["ok"] for r in out["rows"])}
 
 
 def _optim(budget_s: float, tiny: bool, record: Callable[[dict], None]) -> dict:
@@ -211,7 +268,7 @@ def _train(budget_s: float, tiny: bool, record: Callable[[dict], None]) -> dict:
 
 
 _PART_FUNCTIONS: dict[str, Callable[[float, bool, Callable[[dict], None]], dict]] = {
-    "checks": _checks, "optim": _optim, "quality": _quality, "train": _train}
+    "checks": _checks, "memory": _memory, "optim": _optim, "quality": _quality, "train": _train}
 
 
 # ------------------------------------------------------------------------------------- the orchestrator
@@ -385,6 +442,16 @@ def summary_markdown(result: dict) -> str:
             lines.append(f"| {r['check']} | {r['device']} | "
                          f"{', '.join(f'{k} {v:.2e}' for k, v in errs.items()) or r.get('error', '')} | "
                          f"{', '.join(f'{v:.0e}' for v in r.get('tolerances', {}).values())} | "
+                         f"{'yes' if r['ok'] else '**no**'} |")
+    if parts.get("memory", {}).get("rows"):
+        m = parts["memory"]
+        lines += ["", "## Activation memory: the plan against the device", "",
+                  f"`{m['preset']}` at vocabulary {m['vocab_size']}, {m['batch']} x {m['seq_len']} tokens, one "
+                  f"stage: `bubblefree plan`'s activations against what autograd saves on the device "
+                  f"(tolerance {MEMORY_TOL:.0%}).", "",
+                  "| dtype | planned GiB | measured GiB | planned / measured | ok |", "|---|---|---|---|---|"]
+        for r in m["rows"]:
+            lines.append(f"| {r['dtype']} | {_gib(r['planned'])} | {_gib(r['measured'])} | {r['ratio']:.3f} | "
                          f"{'yes' if r['ok'] else '**no**'} |")
     if parts.get("train", {}).get("rows"):
         t = parts["train"]
