@@ -164,8 +164,8 @@ def test_parallel_runs_hand_the_pool_no_more_than_jobs_at_a_time(tmp_path, monke
 def test_a_suite_run_one_optimizer_at_a_time_records_them_all(tmp_path, monkeypatch):
     """``--optimizers muon`` then ``--optimizers adamw`` into one folder: the record keeps both (the suite's
     order), so the tables rebuilt from it show both. Another study of the suite (other seeds or base run) that
-    would drop one of them from the record is refused before it runs anything; with every optimizer it starts
-    a new record."""
+    would replace the record is refused before it runs anything, unless it only adds seeds for every
+    optimizer the record holds."""
     from bubblefree.experiments.reproduce import tables
 
     def fake(run, work, **kw):
@@ -185,8 +185,16 @@ def test_a_suite_run_one_optimizer_at_a_time_records_them_all(tmp_path, monkeypa
         assert main(["reproduce", "momentum", "--scale", "smoke", "--out", str(tmp_path), "--optimizers", "muon",
                      *other]) == 2
         assert ((tmp_path / "momentum.json").read_bytes(), sorted((tmp_path / "runs").iterdir())) == before
-    reproduce("momentum", scale="smoke", out=tmp_path, progress=False, jobs=1, overrides=["train.steps=12"])
-    assert json.loads((tmp_path / "momentum.json").read_text())["base_changes"] == {"train.steps": 12}
+    # more seeds of the same study for every optimizer it records: the new record tabulates all the old one did
+    seeds = json.loads(before[0])["seeds"]
+    reproduce("momentum", scale="smoke", out=tmp_path, seeds=seeds + 1, progress=False, jobs=1)
+    record = json.loads((tmp_path / "momentum.json").read_text())
+    assert (record["seeds"], record["optimizers"]) == (seeds + 1, ["adamw", "muon"])
+    # every optimizer at fewer seeds, or at another base run, would replace the record: refused as well
+    before = (tmp_path / "momentum.json").read_bytes(), sorted((tmp_path / "runs").iterdir())
+    for other in (["--seeds", str(seeds)], ["--seeds", str(seeds + 1), "--set", "train.steps=12"]):
+        assert main(["reproduce", "momentum", "--scale", "smoke", "--out", str(tmp_path), *other]) == 2
+        assert ((tmp_path / "momentum.json").read_bytes(), sorted((tmp_path / "runs").iterdir())) == before
 
 
 def test_no_committed_result_or_doc_names_a_path_of_the_machine_that_made_it():

@@ -224,21 +224,27 @@ def _guess(sc: Scale, optimizers: tuple[str, ...], cells: list) -> Rows:
 
 def _check_record(out: Path, suite: str, sc: Scale, optimizers: tuple[str, ...],
                   changed: dict[str, tuple[Any, Any]]) -> None:
-    """Refuse to run where the suite's record in ``out`` is another study's (other scale, seeds or base run) and
-    names optimizers this command does not run: :func:`_write_record` would replace it and their tables would
-    vanish from the folder (their runs' JSON stays, but nothing would tabulate it)."""
+    """Refuse to run where the suite's record in ``out`` is another study's (other scale, seeds or base run):
+    :func:`_write_record` would replace it, and the tables would lose what only the old record tabulates (its
+    runs' JSON stays, but nothing would read it). The one change allowed is more seeds of the same study for
+    every optimizer it records: the new record tabulates all the old one did, and more."""
     try:
         before = json.loads((out / f"{suite}.json").read_text(encoding="utf-8"))
     except FileNotFoundError:
         return
     base = {k: b for k, (a, b) in changed.items()}
+    if _same_study(before, sc, base):
+        return
     others = [o for o in before.get("optimizers", ()) if o not in optimizers]
-    if others and not _same_study(before, sc, base):
+    grows = (not others and (before.get("scale"), before.get("base_changes") or {}) == (sc.name, base)
+             and sc.seeds > before.get("seeds", 0))
+    if not grows:
         was = f"scale {before.get('scale')}, {before.get('seeds')} seed(s)" + (
             f", base run changed ({', '.join(before['base_changes'])})" if before.get("base_changes") else "")
-        raise UserError(f"Invalid --out: {out} holds the {suite} suite of {', '.join(others)} at {was}; this "
-                        f"command (scale {sc.name}, {sc.seeds} seed(s){', base run changed' if base else ''}) would "
-                        f"replace that record: run it with the same settings, or give it another --out")
+        raise UserError(f"Invalid --out: {out} holds the {suite} suite of {', '.join(before.get('optimizers', ()))} "
+                        f"at {was}; this command (scale {sc.name}, {sc.seeds} seed(s)"
+                        f"{', base run changed' if base else ''}) would replace that record: run it with the same "
+                        f"settings, or give it another --out")
 
 
 def _same_study(record: dict[str, Any], sc: Scale, base_changes: dict[str, Any]) -> bool:
