@@ -382,3 +382,7 @@ def test_tuned_arms_sweep_their_own_rates_and_fill_their_tables(tmp_path, monkey
     assert rows["0.8"].endswith("| 0.300 | none (1 seed) |  |")
     assert rows["0.99"].endswith("| 0.395 | none (1 seed) | 0.095 |")
     assert tables(tmp_path / "p", "momentum") in text
+    # embedded deeper (docs/results.md), the table's own parts nest under its "Results", one level below
+    nested = tables(tmp_path / "p", "momentum", heading="####")
+    assert "\n#### Results\n" in nested and "\n##### Learning rate retuned at each momentum\n" in nested
+    assert "\n### " not in nested

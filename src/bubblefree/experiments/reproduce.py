@@ -17,6 +17,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -429,9 +430,12 @@ def suite_tables(spec, scale, sweep_rows: Rows, rows: Rows, *, heading: str = "#
     sweep = (f"{heading} Learning-rate sweep of every arm (seed {CHOICE_SEED}, full length, validation windows)",
              "", cell_sweep_table(sweep_rows)) if spec.cells else (
         f"{heading} Learning-rate sweep (synchronous, seed 0, full length)", "", sweep_table(sweep_rows))
+    # A suite's table titles its own parts (###) one level below the default "## Results"; nest them under
+    # ``heading``'s "Results" wherever the tables are embedded deeper (docs/results.md uses ####).
+    table = re.sub(r"(?m)^### ", f"{heading}# ", spec.table(rows))
     return "\n".join([
         *sweep, "",
-        f"{heading} Results", "", *_budget(spec, scale), spec.table(rows), "",
+        f"{heading} Results", "", *_budget(spec, scale), table, "",
         _definitions("test" if spec.cells else "validation"), ""])
 
 
