@@ -1,4 +1,4 @@
-"""DelayedOptimizer and the schedule delay table against independent float64 recursions of docs/spec.md.
+"""DelayedOptimizer and its per-parameter delays against independent float64 recursions of docs/spec.md.
 
 The references below keep the whole history (every ``x_j`` and ``u_j``) in numpy and index it directly, so
 they share nothing with the ring buffers, storage swaps and phase switches of the implementation.
@@ -17,7 +17,6 @@ from torch import nn
 from bubblefree.delay import DelayedOptimizer, merge_named_states, parameter_delays
 from bubblefree.errors import UserError
 from bubblefree.optim import AdamW, UpdateOptimizer
-from bubblefree.schedules import SCHEDULES, n_partitions, stage_delays, weight_versions
 
 # ------------------------------------------------------------------------------ quadratic problem
 # f_t(x) = 0.5 x^T A x - c_t^T x over x = [a (3 coords); b (2 coords)], two parameters so delays can differ.
@@ -478,21 +477,7 @@ def test_corrections_need_an_update_optimizer(correction):
         DelayedOptimizer(torch.optim.SGD(mlp().parameters(), lr=0.1), delays=1, correction=correction)
 
 
-# ------------------------------------------------------------------------------- schedule table
-def test_schedule_table():
-    assert SCHEDULES == ("sync", "gpipe", "1f1b", "2bw", "pipedream", "wpipe")
-    for name in ("sync", "gpipe", "1f1b"):
-        assert stage_delays(name, 4) == [0] * 4 and weight_versions(name, 4) == [1] * 4
-    assert stage_delays("2bw", 4) == [1] * 4 and weight_versions("2bw", 4) == [2] * 4
-    assert stage_delays("pipedream", 4) == [3, 2, 1, 0] and weight_versions("pipedream", 4) == [4, 3, 2, 1]
-    assert n_partitions("wpipe", 3) == 6 and stage_delays("wpipe", 3) == [1, 1, 1, 0, 0, 0]
-    assert weight_versions("wpipe", 3) == [2, 2, 2, 1, 1, 1] and n_partitions("2bw", 3) == 3
-    assert stage_delays("pipedream", 1) == [0]
-    for bad in (("zb", 2), ("2bw", 0), ("2bw", -1), ("2bw", 1.5)):
-        with pytest.raises(ValueError, match="Invalid (schedule|n_stages)"):
-            stage_delays(*bad)
-
-
+# ------------------------------------------------------------------------------ parameter delays
 def test_parameter_delays_follows_the_optimizer_order():
     model = mlp()
     stages = {"0.weight": 0, "0.bias": 1, "2.weight": 2, "2.bias": 3}

@@ -1,11 +1,27 @@
-"""The schedule IR and its timeline simulator: golden orders, closed-form bubbles, and derived delays."""
+"""The schedule table, the schedule IR and its timeline simulator: golden orders, closed-form bubbles, derived
+delays."""
 
 import pytest
 
-from bubblefree.schedules import stage_delays, weight_versions
+from bubblefree.schedules import SCHEDULES, n_partitions, stage_delays, weight_versions
 from bubblefree.schedules.ir import build_schedule
 from bubblefree.schedules.report import simulate_schedules
 from bubblefree.schedules.timeline import Costs, simulate
+
+
+def test_schedule_table():
+    """Each schedule's delays and weight versions per stage, the table every consumer reads."""
+    assert SCHEDULES == ("sync", "gpipe", "1f1b", "2bw", "pipedream", "wpipe")
+    for name in ("sync", "gpipe", "1f1b"):
+        assert stage_delays(name, 4) == [0] * 4 and weight_versions(name, 4) == [1] * 4
+    assert stage_delays("2bw", 4) == [1] * 4 and weight_versions("2bw", 4) == [2] * 4
+    assert stage_delays("pipedream", 4) == [3, 2, 1, 0] and weight_versions("pipedream", 4) == [4, 3, 2, 1]
+    assert n_partitions("wpipe", 3) == 6 and stage_delays("wpipe", 3) == [1, 1, 1, 0, 0, 0]
+    assert weight_versions("wpipe", 3) == [2, 2, 2, 1, 1, 1] and n_partitions("2bw", 3) == 3
+    assert stage_delays("pipedream", 1) == [0]
+    for bad in (("zb", 2), ("2bw", 0), ("2bw", -1), ("2bw", 1.5)):
+        with pytest.raises(ValueError, match="Invalid (schedule|n_stages)"):
+            stage_delays(*bad)
 
 
 def test_golden_orders():
