@@ -44,7 +44,7 @@ from pathlib import Path
 from bubblefree.bench.pipeline import REAL_OVERRIDES, run_cases
 from bubblefree.config import Config, apply_overrides, parse_override, validate
 from bubblefree.errors import UserError, exit_code
-from bubblefree.experiments.reproduce import chosen_rates
+from bubblefree.experiments.order import chosen_rates
 from bubblefree.experiments.scales import get_scale
 from bubblefree.experiments.suites import get_suite
 from bubblefree.experiments.sweeps import CHOICE_SEED, cell_run

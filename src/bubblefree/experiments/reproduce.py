@@ -19,7 +19,6 @@ import math
 import os
 import re
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -28,22 +27,16 @@ from tqdm.auto import tqdm
 
 from bubblefree.config import apply_overrides, config_diff, config_from_dict, parse_override, read_toml, validate
 from bubblefree.errors import UserError
+from bubblefree.experiments.order import gather
 from bubblefree.experiments.plots import draw
 from bubblefree.experiments.runner import Run, commit, machine, pending, run_all, run_id
 from bubblefree.experiments.scales import Scale, get_scale
 from bubblefree.experiments.suites import Suite, get_suite
 from bubblefree.experiments.sweeps import (
     CHOICE_SEED,
-    cell_best,
-    cell_extension,
     cell_report_runs,
     cell_sweep_runs,
     cell_sweep_table,
-    choose_lrs,
-    knob_best_runs,
-    knob_extension,
-    knob_sweep_runs,
-    sweep_extension,
     sweep_runs,
     sweep_table,
 )
@@ -51,7 +44,7 @@ from bubblefree.optim import OPTIMIZERS
 from bubblefree.train.folders import check_ours, hold
 from bubblefree.train.loop import check_lengths
 
-__all__ = ["chosen_rates", "default_jobs", "dry_run", "report", "reproduce", "suite_tables", "tables",
+__all__ = ["default_jobs", "dry_run", "report", "reproduce", "suite_tables", "tables",
            "with_base_overrides"]
 
 Rows = list[dict[str, Any]]
@@ -144,7 +137,7 @@ def dry_run(suite: str, *, scale: str = "cpu", out: str | Path | None = None, se
         guessed = True  # a choice made on part of a sweep would be no truer than one made on none of it
         return [_stand_in(r) for r in runs]
 
-    _gather(spec, sc, chosen, load)
+    gather(spec, sc, chosen, load)
     times: dict[tuple, list[float]] = {}
     for path in (out / "runs").glob("*.json") if (out / "runs").is_dir() else ():
         record = json.loads(path.read_text(encoding="utf-8"))
@@ -203,7 +196,7 @@ def _run_suite(suite: str, spec: Suite, sc: Scale, chosen: tuple[str, ...], chan
         def rates_chosen(lrs: dict[str, float]) -> None:  # an interrupted suite's tables can be rebuilt
             _write_record(out, suite, sc, lrs, chosen, changed, finished=False)
 
-        sweep_rows, lrs, rows, knob_rows = _gather(spec, sc, chosen, execute, rates_chosen)
+        sweep_rows, lrs, rows, knob_rows = gather(spec, sc, chosen, execute, rates_chosen)
     elapsed = time.perf_counter() - tic
 
     title = f"{spec.title}, scale {sc.name}"
@@ -346,83 +339,6 @@ def _markdown(spec, scale, sweep_rows, rows, plots, elapsed: float | None, comma
     return "\n".join(lines) + "\n"
 
 
-def _gather(spec, scale, optimizers: tuple[str, ...], execute: Callable[[list[Run], str], Rows],
-            rates_chosen: Callable[[dict[str, float]], None] = lambda lrs: None,
-            ) -> tuple[Rows, dict[str, float], Rows, Rows]:
-    """The suite's runs in order: the synchronous sweep (``phase`` "sweep"), its extensions past an end of
-    the grid while the best rate sits there ("extension"); for a suite whose methods have knobs, each
-    method's own setting swept at the chosen rate ("knobs") and extended the same way ("extension"); then
-    the suite's runs at the chosen rates and best settings ("suite"); last, for a suite with tuned arms, each
-    arm's own rate sweep and reported seeds ("cells", :func:`_tune`). ``execute(runs, phase)`` returns their
-    records; ``rates_chosen(rates)`` is called once the sweep is done. Returns ``(sweep rows, rates, suite rows,
-    knob and arm rows)``."""
-    if spec.cells:  # every arm tuned on its own, one point after the other so each point's table fills in
-        lrs = {o: OPTIMIZERS[o].lr for o in optimizers}  # the centre of every cell's grid
-        sweep_rows, rows = _tune(scale, optimizers, spec.cells(scale), execute, lambda: rates_chosen(lrs))
-        return sweep_rows, lrs, rows, []
-    sweep_rows = execute(sweep_runs(scale, optimizers), "sweep")
-    # A best rate at an end: try past it. (An extension that yields no rows, one still to run when the tables
-    # of a suite under way are rebuilt, ends the loop.)
-    while (extension := sweep_extension(scale, sweep_rows)) and (new := execute(extension, "extension")):
-        sweep_rows += new
-    lrs = {o: choose_lrs(sweep_rows)[o] for o in optimizers}
-    rates_chosen(lrs)
-    runs = spec.runs(scale, lrs)
-    knob_rows: Rows = []
-    if spec.knobs:  # each method's own setting, swept at the chosen rate like the rate itself
-        knob_rows = execute(knob_sweep_runs(scale, lrs, spec.knobs), "knobs")
-        while (extension := knob_extension(scale, lrs, spec.knobs, knob_rows)) and (
-                new := execute(extension, "extension")):
-            knob_rows += new
-        runs += knob_best_runs(scale, lrs, spec.knobs, knob_rows)
-    rows = execute(runs, "suite")
-    if spec.arms:  # the tuned arms: each optimizer's cells on their own rate sweeps, after the suite's runs
-        arms = spec.arms(scale, optimizers)
-        for opt in dict.fromkeys(o for o, _ in arms):
-            swept, reported = _tune(scale, (opt,), [cell for o, cell in arms if o == opt], execute)
-            knob_rows += swept + reported
-    return sweep_rows, lrs, rows, knob_rows
-
-
-def _tune(scale, optimizers: tuple[str, ...], cells: list, execute: Callable[[list[Run], str], Rows],
-          point_done: Callable[[], None] = lambda: None) -> tuple[Rows, Rows]:
-    """Tune ``cells`` one point ``x`` after the other: every cell's rate sweep at the choice seed, extended past
-    an end while the best sits there, then its reported seeds at the chosen rate (``point_done`` is called in
-    between). Returns ``(sweep rows, reported rows)``."""
-    sweep_rows, rows = [], []
-    for x in dict.fromkeys(cell.x for cell in cells):
-        point = [cell for cell in cells if cell.x == x]
-        swept = _sweep_cells(scale, optimizers, point, execute)
-        sweep_rows += swept
-        point_done()
-        rows += execute(cell_report_runs(scale, optimizers, point, swept), "cells")
-    return sweep_rows, rows
-
-
-def _sweep_cells(scale, optimizers: tuple[str, ...], cells: list, execute: Callable[[list[Run], str], Rows]) -> Rows:
-    """Every cell's rate sweep at the choice seed, extended past an end while the best sits there (an extension
-    that yields no rows, one still to run when a suite under way is read, ends it)."""
-    swept = execute(cell_sweep_runs(scale, optimizers, cells), "cells")
-    while (extension := cell_extension(scale, optimizers, cells, swept)) and (new := execute(extension, "extension")):
-        swept += new
-    return swept
-
-
-def chosen_rates(folder: str | Path, scale: Scale, optimizers: tuple[str, ...], cells: list, *, what: str,
-                 hint: str = "") -> dict[tuple[str, str, float], float]:
-    """``{(optimizer, variant, x): rate}`` that each of ``cells`` chose on its sweep, read from ``<folder>/runs``
-    the way the suite's table reads it (:func:`_sweep_cells`, ``sweeps.cell_best``). A UserError, ``what`` is not
-    finished (then ``hint``), while a sweep point (the grid or an extension its best rate calls for) has no
-    result yet."""
-    def load(runs: list[Run], phase: str) -> Rows:
-        if lacking := pending(runs, folder):
-            raise UserError(f"Unfinished sweep: {what} is not finished: {len(lacking)} run(s) missing from "
-                            f"{Path(folder) / 'runs'}, e.g. {min(lacking)}" + (f"; {hint}" if hint else ""))
-        return run_all(runs, folder)  # only reads the finished runs' JSON
-
-    return cell_best(_sweep_cells(scale, optimizers, cells, load))
-
-
 def suite_tables(spec, scale, sweep_rows: Rows, rows: Rows, *, heading: str = "##") -> str:
     """The learning-rate sweep and the suite's table (``rows``: the suite's and the knob sweep's) with the
     tuning budget and the definitions: the part of ``<suite>.md`` that depends on the runs' results alone
@@ -478,7 +394,7 @@ def _rebuild(folder: Path, suite: str, *, partial: bool) -> _Recorded:
         return run_all([r for r in runs if run_id(r) not in lacking], folder)  # only reads finished runs' JSON
 
     optimizers = tuple(record.get("optimizers") or spec.optimizers)
-    sweep_rows, lrs, rows, knob_rows = _gather(spec, sc, optimizers, load)
+    sweep_rows, lrs, rows, knob_rows = gather(spec, sc, optimizers, load)
     progress = (f"\n*In progress: {len(planned) - len(missing)} of {len(planned)} runs finished; "
                 f"`bubblefree reproduce {suite} --scale {sc.name} --optimizers {','.join(optimizers)}` with this "
                 f"results folder as `--out` continues it (finished runs are skipped).*\n") if missing else ""
