@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from bubblefree.errors import UserError
 from bubblefree.experiments.runner import Run, pending, run_all
 from bubblefree.experiments.scales import Scale
 from bubblefree.experiments.sweeps import (
+    Rows,
     cell_best,
     cell_extension,
     cell_report_runs,
@@ -32,8 +32,6 @@ from bubblefree.experiments.sweeps import (
 from bubblefree.optim import OPTIMIZERS
 
 __all__ = ["chosen_rates", "gather", "sweep_cells", "tune"]
-
-Rows = list[dict[str, Any]]
 
 
 def gather(spec, scale, optimizers: tuple[str, ...], execute: Callable[[list[Run], str], Rows],
