@@ -23,9 +23,8 @@ the others still run; a part whose budget the deadline has eaten is recorded as 
 results as they come (``parts/<part>.json``, merged into ``device.json`` and removed when the part ends), and
 ``device.json`` and ``device.md`` are rewritten after each part, so a session cut short keeps what finished;
 the parts' output goes to one ``device.log``. A SIGTERM or Ctrl-C ends the running part's process group too.
-``--tiny`` runs the same four parts on the CPU with tiny sizes (``torch.compile`` with the ``eager`` backend: dynamo
-without code generation) in well under a
-minute; the test suite runs it. Exit code 0 when every part passed, 1 otherwise (after writing everything).
+``--tiny`` runs the same five parts on the CPU with tiny sizes (``torch.compile`` with the ``eager`` backend:
+dynamo without code generation) in well under a minute; the test suite runs it. Exit code 0 when every part passed, 1 otherwise (after writing everything).
 
     bubblefree bench device --out DIR [--tiny]      # DIR/device.json, DIR/device.md, DIR/device.log
 """
