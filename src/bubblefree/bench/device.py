@@ -24,7 +24,8 @@ results as they come (``parts/<part>.json``, merged into ``device.json`` and rem
 ``device.json`` and ``device.md`` are rewritten after each part, so a session cut short keeps what finished;
 the parts' output goes to one ``device.log``. A SIGTERM or Ctrl-C ends the running part's process group too.
 ``--tiny`` runs the same five parts on the CPU with tiny sizes (``torch.compile`` with the ``eager`` backend:
-dynamo without code generation) in well under a minute; the test suite runs it. Exit code 0 when every part passed, 1 otherwise (after writing everything).
+dynamo without code generation) in well under a minute; the test suite runs it. Exit code 0 when every part
+passed, 1 otherwise (after writing everything).
 
     bubblefree bench device --out DIR [--tiny]      # DIR/device.json, DIR/device.md, DIR/device.log
 """
