@@ -409,6 +409,52 @@ def test_sigterm_during_setup_is_exit_130_and_leaves_nothing(tmp_path):
         assert "interrupted; checkpoint at step" in lines[0]
 
 
+def _swallowing_signal(real, signals):
+    """``real`` behind a stand-in that signals this process inside a ``try`` that swallows KeyboardInterrupt, as
+    numpy's Cython imports do with one raised inside them."""
+    def stand_in(*args, **kwargs):
+        for sig in signals:
+            try:
+                os.kill(os.getpid(), sig)
+                time.sleep(0.05)  # the handler runs here, in this frame
+            except KeyboardInterrupt:
+                pass
+        return real(*args, **kwargs)
+    return stand_in
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["term", "int"])
+def test_a_signal_in_the_setup_cannot_be_swallowed_by_a_library(tmp_path, monkeypatch, sig):
+    import bubblefree.train.loop as loop
+
+    monkeypatch.setattr(loop, "load_tokens", _swallowing_signal(loop.load_tokens, [sig]))
+    out = tmp_path / "run"
+    got, err = _cli(["train", "--preset", "smoke", *_sets([*TINY, "train.steps=3"]), "--out", str(out)])
+    assert got == 130 and err == ["bubblefree: interrupted before the run started; nothing was written"], err
+    assert not out.exists()
+
+
+def test_a_second_signal_in_the_setup_stops_it_at_once(tmp_path, monkeypatch):
+    import bubblefree.train.loop as loop
+
+    real, went_on = loop.load_tokens, []
+
+    def slow_stage(*args, **kwargs):  # a long stage: the first signal waits for its end, the second does not
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+        went_on.append("after the first")
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)
+        went_on.append("after the second")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "load_tokens", slow_stage)
+    out = tmp_path / "run"
+    got, err = _cli(["train", "--preset", "smoke", *_sets([*TINY, "train.steps=3"]), "--out", str(out)])
+    assert got == 130 and err == ["bubblefree: interrupted before the run started; nothing was written"], err
+    assert went_on == ["after the first"] and not out.exists()
+
+
 def test_a_final_validation_loss_that_is_not_finite_is_not_done(tmp_path, monkeypatch):
     monkeypatch.setattr(SimExecutor, "evaluate", lambda self, split="val": float("nan"))
     got, err = _cli(["train", "--preset", "smoke", *_sets([*TINY, "train.steps=3"]), "--out", str(tmp_path / "r")])

@@ -125,21 +125,28 @@ class _OneProcessStop:
 
 @contextlib.contextmanager
 def _deferred_signals():
-    """Turn SIGINT and SIGTERM into a flag checked between steps, so the run stops at a step boundary with a
-    checkpoint. Installed even where the shell set SIGINT to be ignored (a run started in the background).
+    """Turn SIGINT and SIGTERM into a flag, checked at points of the setup and between steps, so the run stops
+    where it can: before it has written anything, or at a step boundary with a checkpoint. Installed even
+    where the shell set SIGINT to be ignored (a run started in the background).
 
-    Every signal only sets the flag, however many arrive and in whatever order: a second one acting at once
+    No signal raises where it lands: a KeyboardInterrupt raised inside a library can be swallowed there
+    (numpy's Cython import machinery does, and the run would train on), or escape an ``exec`` of generated
+    code (dataclasses), after which ``python -m`` exits by SIGINT, not 130, however the interrupt was handled.
+    In the setup a second signal stops at once (the setup writes nothing; a long one need not be waited for).
+    In the loop every signal only sets the flag, however many arrive and in whatever order: one acting at once
     would raise inside the step (in backward, say), lose it and print a traceback, or kill the process with
     exit code 143. A step is short; to stop without waiting for it, SIGKILL: the resume from the last
     checkpoint is exact. A rank of a distributed run gets the same signal from several senders (the
     terminal, the launcher, torchrun's agent) alike; the launcher and the agent kill the ranks if they must."""
-    flag = {"hit": False}
+    flag = {"hit": False, "setup": True}
     if not _is_main_thread():
         yield flag
         return
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
 
     def handler(signum, frame):
+        if flag["hit"] and flag["setup"]:
+            raise KeyboardInterrupt
         flag["hit"] = True
 
     for sig in previous:
@@ -149,6 +156,12 @@ def _deferred_signals():
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old if old is not None else signal.SIG_DFL)
+
+
+def _stop_if_signalled(flag: dict[str, bool]) -> None:
+    """A setup's check point: a signal that arrived since the last one stops the run here, before any file."""
+    if flag["hit"]:
+        raise KeyboardInterrupt
 
 
 def _is_main_thread() -> bool:
@@ -172,9 +185,10 @@ def check_lengths(config: Config, data: Any = None) -> None:
 
 
 def _build(config: Config, out_dir: Path, resume: bool | str | Path, barrier: SetupBarrier | None,
-           make_executor: ExecutorFactory, *, branch: bool, data_moved: bool
+           make_executor: ExecutorFactory, check_point: Callable[[], None], *, branch: bool, data_moved: bool
            ) -> tuple[Executor, dict[str, Any] | None, dict[str, int], Any, dict[str, Any]]:
     """Validate, load data, build the model and executor and restore the checkpoint; write nothing.
+    ``check_point()`` between the stages stops the setup there when the run was signalled (KeyboardInterrupt).
 
     Every process of a distributed run reads the checkpoint file itself (so a multi-node resume needs the run
     folder on a shared filesystem). Returns ``(executor, checkpoint or None, parameter counts, token data,
@@ -188,26 +202,32 @@ def _build(config: Config, out_dir: Path, resume: bool | str | Path, barrier: Se
             tensorboard_writer()
         check_lengths(config)
         _seed_everything(config.train.seed)
+        check_point()
         data = load_tokens(config.data)
         check_lengths(config, data)
+        check_point()
         model = build_model(config.model.preset, vocab_size=config.model.vocab_size or data.vocab_size)
         if config.train.compile:
             model.compile_blocks()
+        check_point()
         pinned = check_data(config, data, out_dir, resume=bool(resume), data_moved=data_moved)
         ckpt = resume_state(config, out_dir, resume, model, data.vocab_size, branch=branch,
                              data_moved=data_moved) if resume else None
+        check_point()
     except Exception as e:  # reported through the barrier first, so that no other process waits for this one
         failure = e
     if barrier is not None:
         barrier(config, failure)
     if failure is not None:
         raise failure
+    check_point()
     executor = make_executor(config, model, data, out_dir)
     if executor.is_writer and not resume:  # after the build: the writer may create files as soon as it returns
         check_fresh_out_dir(out_dir)
     if ckpt is not None:
         executor.load_state_dict(ckpt["executor"])
         restore_rng(ckpt["rng"])
+    check_point()
     counts = {"params": model.num_params(), "params_non_embedding": model.num_params(embedding=False)}
     return executor, ckpt, counts, data, pinned
 
@@ -287,12 +307,13 @@ def train(config: Config, *, out_dir: str | Path, resume: bool | str | Path = Fa
         torch.set_num_threads(config.train.threads)
     try:
         with contextlib.ExitStack() as held:
+            signalled = held.enter_context(_deferred_signals())
             if lock:
                 if not resume:
                     check_fresh_out_dir(out_dir)
                 held.enter_context(hold(out_dir, what="--resume" if resume else "--out", create=not resume))
-            return _run(config, out_dir, resume, barrier, stop, executor or _sim_executor, branch=branch,
-                        data_moved=data_moved)
+            return _run(config, out_dir, resume, barrier, stop, executor or _sim_executor, signalled,
+                        branch=branch, data_moved=data_moved)
     except OSError as e:
         if e.errno not in FILESYSTEM_ERRNOS or not (out_dir / CONFIG_FILE).is_file():
             raise  # before the run's first file: the one-line OSError says all (errors.exit_code)
@@ -309,16 +330,18 @@ def train(config: Config, *, out_dir: str | Path, resume: bool | str | Path = Fa
 
 
 def _run(config: Config, out_dir: Path, resume: bool | str | Path, barrier: SetupBarrier | None,
-         stop: StopRule | None, make_executor: ExecutorFactory, *, branch: bool, data_moved: bool
-         ) -> dict[str, Any]:
+         stop: StopRule | None, make_executor: ExecutorFactory, signalled: dict[str, bool], *, branch: bool,
+         data_moved: bool) -> dict[str, Any]:
     cfg = config.train
     try:
         executor, ckpt, counts, data, pinned = _build(config, out_dir, resume, barrier, make_executor,
-                                                      branch=branch, data_moved=data_moved)
+                                                      lambda: _stop_if_signalled(signalled), branch=branch,
+                                                      data_moved=data_moved)
     except UserError:
         raise
     except ValueError as e:
         raise UserError(str(e)) from e
+    signalled["setup"] = False  # from the first file on, a signal stops the run at a step boundary
     start = ckpt["step"] if ckpt else 0
     skipped = ckpt.get("loop", {}).get("skipped", 0) if ckpt else 0
     saved = config_to_dict(resolved(config, data.vocab_size))  # what config.toml and checkpoints record
@@ -345,67 +368,66 @@ def _run(config: Config, out_dir: Path, resume: bool | str | Path, barrier: Setu
     stop_rule = stop or _OneProcessStop()
     busy = _BusyWindow()
 
-    with _deferred_signals() as signalled:
-        for step in range(start, cfg.steps):
-            tic = time.perf_counter()
-            stats = executor.train_step(step, lr_scale(step, cfg.steps, warmup_frac=cfg.warmup_frac,
-                                                       min_lr_frac=cfg.min_lr_frac))
-            elapsed = time.perf_counter() - tic
-            train_time += elapsed
-            window_time += elapsed
-            window_tokens += tokens_per_step
-            done, last = step + 1, step + 1 == cfg.steps
-            if writer and not (math.isfinite(stats.loss) and math.isfinite(stats.grad_norm)):
-                if cfg.nonfinite == "stop":  # the executor applied no update; nothing after the checkpoint is kept
-                    bar.close()
-                    metrics.close()
-                    raise _diverged(done, stats, out_dir, config)
-                skipped += 1
-                bar.write(f"step {done}/{cfg.steps}: the loss is {stats.loss} and the gradient norm "
-                          f"{stats.grad_norm}; batch skipped ({skipped} so far)")
-            evaluate = last or (cfg.eval_every > 0 and done % cfg.eval_every == 0)
-            if evaluate:
-                val_loss = executor.evaluate()
-                if cfg.test_split:
-                    test_loss = executor.evaluate("test")
-            if writer:
-                busy.add(stats)
-            if writer and (evaluate or done % cfg.log_every == 0):
-                tokens_per_s, window_time, window_tokens = window_tokens / window_time, 0.0, 0
-                record = {"step": done, "tokens": done * tokens_per_step, "loss": stats.loss, "lr": stats.lr,
-                          "tokens_per_s": tokens_per_s, "grad_norm": stats.grad_norm}
-                if stats.aux_loss:
-                    record["aux_loss"] = stats.aux_loss
-                if cfg.nonfinite == "skip":
-                    record["skipped"] = skipped
-                record.update(busy.pop(stats))
-                if evaluate:
-                    record["val_loss"] = val_loss
-                    if cfg.test_split:
-                        record["test_loss"] = test_loss
-                    bar.write(f"step {done}/{cfg.steps}: train loss {stats.loss:.4f}, validation loss "
-                              f"{val_loss:.4f}, {tokens_per_s:.0f} tokens/s")
-                elif plain:
-                    print(f"step {done}/{cfg.steps}: train loss {stats.loss:.4f}, {tokens_per_s:.0f} tokens/s",
-                          flush=True)
-                metrics.log(record)
-                bar.set_postfix(loss=f"{stats.loss:.3f}", tok_s=f"{tokens_per_s:.0f}")
-            bar.update(1)
-            stopping = stop_rule.should_stop(done, signalled["hit"])
-            if last or (cfg.ckpt_every > 0 and done % cfg.ckpt_every == 0) or stopping:
-                state = executor.state_dict()
-                if writer:
-                    save_checkpoint(out_dir, step=done, executor_state=state, config=saved,
-                                    keep=cfg.ckpt_keep, loop_state={"skipped": skipped})
-            if stopping and not last:
+    for step in range(start, cfg.steps):
+        tic = time.perf_counter()
+        stats = executor.train_step(step, lr_scale(step, cfg.steps, warmup_frac=cfg.warmup_frac,
+                                                   min_lr_frac=cfg.min_lr_frac))
+        elapsed = time.perf_counter() - tic
+        train_time += elapsed
+        window_time += elapsed
+        window_tokens += tokens_per_step
+        done, last = step + 1, step + 1 == cfg.steps
+        if writer and not (math.isfinite(stats.loss) and math.isfinite(stats.grad_norm)):
+            if cfg.nonfinite == "stop":  # the executor applied no update; nothing after the checkpoint is kept
                 bar.close()
-                executor.close()
-                stop_rule.finished()
-                if not writer:
-                    raise Interrupted()
                 metrics.close()
-                raise Interrupted(f"interrupted; checkpoint at step {done} in {out_dir}; continue with "
-                                  f"--resume {shlex.quote(str(out_dir))}")
+                raise _diverged(done, stats, out_dir, config)
+            skipped += 1
+            bar.write(f"step {done}/{cfg.steps}: the loss is {stats.loss} and the gradient norm "
+                      f"{stats.grad_norm}; batch skipped ({skipped} so far)")
+        evaluate = last or (cfg.eval_every > 0 and done % cfg.eval_every == 0)
+        if evaluate:
+            val_loss = executor.evaluate()
+            if cfg.test_split:
+                test_loss = executor.evaluate("test")
+        if writer:
+            busy.add(stats)
+        if writer and (evaluate or done % cfg.log_every == 0):
+            tokens_per_s, window_time, window_tokens = window_tokens / window_time, 0.0, 0
+            record = {"step": done, "tokens": done * tokens_per_step, "loss": stats.loss, "lr": stats.lr,
+                      "tokens_per_s": tokens_per_s, "grad_norm": stats.grad_norm}
+            if stats.aux_loss:
+                record["aux_loss"] = stats.aux_loss
+            if cfg.nonfinite == "skip":
+                record["skipped"] = skipped
+            record.update(busy.pop(stats))
+            if evaluate:
+                record["val_loss"] = val_loss
+                if cfg.test_split:
+                    record["test_loss"] = test_loss
+                bar.write(f"step {done}/{cfg.steps}: train loss {stats.loss:.4f}, validation loss "
+                          f"{val_loss:.4f}, {tokens_per_s:.0f} tokens/s")
+            elif plain:
+                print(f"step {done}/{cfg.steps}: train loss {stats.loss:.4f}, {tokens_per_s:.0f} tokens/s",
+                      flush=True)
+            metrics.log(record)
+            bar.set_postfix(loss=f"{stats.loss:.3f}", tok_s=f"{tokens_per_s:.0f}")
+        bar.update(1)
+        stopping = stop_rule.should_stop(done, signalled["hit"])
+        if last or (cfg.ckpt_every > 0 and done % cfg.ckpt_every == 0) or stopping:
+            state = executor.state_dict()
+            if writer:
+                save_checkpoint(out_dir, step=done, executor_state=state, config=saved,
+                                keep=cfg.ckpt_keep, loop_state={"skipped": skipped})
+        if stopping and not last:
+            bar.close()
+            executor.close()
+            stop_rule.finished()
+            if not writer:
+                raise Interrupted()
+            metrics.close()
+            raise Interrupted(f"interrupted; checkpoint at step {done} in {out_dir}; continue with "
+                              f"--resume {shlex.quote(str(out_dir))}")
     bar.close()
     executor.close()
     if not writer:
