@@ -409,16 +409,15 @@ def test_sigterm_during_setup_is_exit_130_and_leaves_nothing(tmp_path):
         assert "interrupted; checkpoint at step" in lines[0]
 
 
-def _swallowing_signal(real, signals):
+def _swallowing_signal(real, sig):
     """``real`` behind a stand-in that signals this process inside a ``try`` that swallows KeyboardInterrupt, as
     numpy's Cython imports do with one raised inside them."""
     def stand_in(*args, **kwargs):
-        for sig in signals:
-            try:
-                os.kill(os.getpid(), sig)
-                time.sleep(0.05)  # the handler runs here, in this frame
-            except KeyboardInterrupt:
-                pass
+        try:
+            os.kill(os.getpid(), sig)
+            time.sleep(0.05)  # the handler runs here, in this frame
+        except KeyboardInterrupt:
+            pass
         return real(*args, **kwargs)
     return stand_in
 
@@ -427,7 +426,7 @@ def _swallowing_signal(real, signals):
 def test_a_signal_in_the_setup_cannot_be_swallowed_by_a_library(tmp_path, monkeypatch, sig):
     import bubblefree.train.loop as loop
 
-    monkeypatch.setattr(loop, "load_tokens", _swallowing_signal(loop.load_tokens, [sig]))
+    monkeypatch.setattr(loop, "load_tokens", _swallowing_signal(loop.load_tokens, sig))
     out = tmp_path / "run"
     got, err = _cli(["train", "--preset", "smoke", *_sets([*TINY, "train.steps=3"]), "--out", str(out)])
     assert got == 130 and err == ["bubblefree: interrupted before the run started; nothing was written"], err

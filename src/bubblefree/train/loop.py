@@ -158,9 +158,9 @@ def _deferred_signals():
             signal.signal(sig, old if old is not None else signal.SIG_DFL)
 
 
-def _stop_if_signalled(flag: dict[str, bool]) -> None:
-    """A setup's check point: a signal that arrived since the last one stops the run here, before any file."""
-    if flag["hit"]:
+def _stop_if_signalled(signalled: dict[str, bool]) -> None:
+    """A check point of the setup: a signal that has arrived stops the run here, before its first file."""
+    if signalled["hit"]:
         raise KeyboardInterrupt
 
 
@@ -185,10 +185,10 @@ def check_lengths(config: Config, data: Any = None) -> None:
 
 
 def _build(config: Config, out_dir: Path, resume: bool | str | Path, barrier: SetupBarrier | None,
-           make_executor: ExecutorFactory, check_point: Callable[[], None], *, branch: bool, data_moved: bool
+           make_executor: ExecutorFactory, signalled: dict[str, bool], *, branch: bool, data_moved: bool
            ) -> tuple[Executor, dict[str, Any] | None, dict[str, int], Any, dict[str, Any]]:
     """Validate, load data, build the model and executor and restore the checkpoint; write nothing.
-    ``check_point()`` between the stages stops the setup there when the run was signalled (KeyboardInterrupt).
+    Between the stages a signal that has arrived (``signalled``, :func:`_deferred_signals`) stops the setup.
 
     Every process of a distributed run reads the checkpoint file itself (so a multi-node resume needs the run
     folder on a shared filesystem). Returns ``(executor, checkpoint or None, parameter counts, token data,
@@ -202,32 +202,31 @@ def _build(config: Config, out_dir: Path, resume: bool | str | Path, barrier: Se
             tensorboard_writer()
         check_lengths(config)
         _seed_everything(config.train.seed)
-        check_point()
+        _stop_if_signalled(signalled)
         data = load_tokens(config.data)
         check_lengths(config, data)
-        check_point()
+        _stop_if_signalled(signalled)
         model = build_model(config.model.preset, vocab_size=config.model.vocab_size or data.vocab_size)
         if config.train.compile:
             model.compile_blocks()
-        check_point()
+        _stop_if_signalled(signalled)
         pinned = check_data(config, data, out_dir, resume=bool(resume), data_moved=data_moved)
         ckpt = resume_state(config, out_dir, resume, model, data.vocab_size, branch=branch,
                              data_moved=data_moved) if resume else None
-        check_point()
     except Exception as e:  # reported through the barrier first, so that no other process waits for this one
         failure = e
     if barrier is not None:
         barrier(config, failure)
     if failure is not None:
         raise failure
-    check_point()
+    _stop_if_signalled(signalled)
     executor = make_executor(config, model, data, out_dir)
     if executor.is_writer and not resume:  # after the build: the writer may create files as soon as it returns
         check_fresh_out_dir(out_dir)
     if ckpt is not None:
         executor.load_state_dict(ckpt["executor"])
         restore_rng(ckpt["rng"])
-    check_point()
+    _stop_if_signalled(signalled)
     counts = {"params": model.num_params(), "params_non_embedding": model.num_params(embedding=False)}
     return executor, ckpt, counts, data, pinned
 
@@ -335,8 +334,7 @@ def _run(config: Config, out_dir: Path, resume: bool | str | Path, barrier: Setu
     cfg = config.train
     try:
         executor, ckpt, counts, data, pinned = _build(config, out_dir, resume, barrier, make_executor,
-                                                      lambda: _stop_if_signalled(signalled), branch=branch,
-                                                      data_moved=data_moved)
+                                                      signalled, branch=branch, data_moved=data_moved)
     except UserError:
         raise
     except ValueError as e:
