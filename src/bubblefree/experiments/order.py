@@ -44,9 +44,9 @@ def gather(spec, scale, optimizers: tuple[str, ...], execute: Callable[[list[Run
     arm's own rate sweep and reported seeds ("cells", :func:`tune`). ``execute(runs, phase)`` returns their
     records; ``rates_chosen(rates)`` is called once the sweep is done. Returns ``(sweep rows, rates, suite rows,
     knob and arm rows)``."""
-    if spec.cells:  # every arm tuned on its own, one point after the other so each point's table fills in
+    if (cells := spec.tuned_cells(scale)) is not None:  # every arm tuned, one point after the other
         lrs = {o: OPTIMIZERS[o].lr for o in optimizers}  # the centre of every cell's grid
-        sweep_rows, rows = tune(scale, optimizers, spec.cells(scale), execute, lambda: rates_chosen(lrs))
+        sweep_rows, rows = tune(scale, optimizers, cells, execute, lambda: rates_chosen(lrs))
         return sweep_rows, lrs, rows, []
     sweep_rows = execute(sweep_runs(scale, optimizers), "sweep")
     # A best rate at an end: try past it. (An extension that yields no rows, one still to run when the tables

@@ -172,9 +172,9 @@ def _run_suite(suite: str, spec: Suite, sc: Scale, chosen: tuple[str, ...], chan
 
     # The suite's runs depend on the rates the sweep picks: until then the bar's total is an estimate made
     # at the default rates, set exactly once the sweep is done.
-    if spec.cells:  # every cell's sweep and its reported seeds, one run per seed at one rate (extra ones added)
-        todo = pending(cell_sweep_runs(sc, chosen, spec.cells(sc)), out)
-        estimate = pending(cell_report_runs(sc, chosen, spec.cells(sc), _guess(sc, chosen, spec.cells(sc))), out)
+    if (cells := spec.tuned_cells(sc)) is not None:  # every cell's sweep and reported seeds (extensions added)
+        todo = pending(cell_sweep_runs(sc, chosen, cells), out)
+        estimate = pending(cell_report_runs(sc, chosen, cells, _guess(sc, chosen, cells)), out)
     else:
         todo = pending(sweep_runs(sc, chosen), out)
         estimate = pending(spec.runs(sc, {o: OPTIMIZERS[o].lr for o in chosen}), out) - todo
@@ -271,7 +271,7 @@ def _write_record(out: Path, suite: str, sc: Scale, lrs: dict[str, float], optim
 def _budget(spec, scale) -> list[str]:
     """The tuning budget of a suite whose methods have knobs or whose arms are tuned, in words (the table lists
     the points tried)."""
-    if spec.cells:
+    if spec.tuned_cells(scale) is not None:
         n = len(scale.lr_factors)
         return [(f"Tuning budget: every arm at every point sweeps its own learning rate on the same grid ({n} "
                  f"rates, extended past an end while the best sits there, up to {scale.lr_extend} beyond each end) "
@@ -343,8 +343,9 @@ def suite_tables(spec, scale, sweep_rows: Rows, rows: Rows, *, heading: str = "#
     """The learning-rate sweep and the suite's table (``rows``: the suite's and the knob sweep's) with the
     tuning budget and the definitions: the part of ``<suite>.md`` that depends on the runs' results alone
     (no commit, machine or timing), under ``heading``-level titles."""
+    tuned = spec.tuned_cells(scale) is not None
     sweep = (f"{heading} Learning-rate sweep of every arm (seed {CHOICE_SEED}, full length, validation windows)",
-             "", cell_sweep_table(sweep_rows)) if spec.cells else (
+             "", cell_sweep_table(sweep_rows)) if tuned else (
         f"{heading} Learning-rate sweep (synchronous, seed 0, full length)", "", sweep_table(sweep_rows))
     # A suite's table titles its own parts (###) one level below the default "## Results"; nest them under
     # ``heading``'s "Results" wherever the tables are embedded deeper (docs/results.md uses ####).
@@ -352,7 +353,7 @@ def suite_tables(spec, scale, sweep_rows: Rows, rows: Rows, *, heading: str = "#
     return "\n".join([
         *sweep, "",
         f"{heading} Results", "", *_budget(spec, scale), table, "",
-        _definitions("test" if spec.cells else "validation"), ""])
+        _definitions("test" if tuned else "validation"), ""])
 
 
 class _Recorded(NamedTuple):

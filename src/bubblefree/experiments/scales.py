@@ -1,4 +1,5 @@
-"""How big the reproduction runs are: ``smoke`` (seconds per run), ``cpu`` (the default), ``long`` and ``gpu``.
+"""How big the reproduction runs are: ``smoke`` (seconds per run), ``cpu`` (the default), ``long``, ``long4x``
+and ``gpu``.
 
 A :class:`Scale` holds the base run (built from the run presets of ``bubblefree.train.presets``), the number
 of seeds, the learning-rate factors of the synchronous sweep, and the model presets of the suites that need
@@ -27,6 +28,13 @@ another one (a 32-layer narrow ``deep-*`` model for the depth-16 schedules, an M
   model of the same size for the depth-2 and depth-8 schedules, a 0.5M MoE. docs/results.md has the time per run.
   The ``steps`` suite trains the same tokens in 4x the steps (8 x 256, 4800 steps), then at the base length; a 16x
   point (2 x 256, 19,200 steps) costs about an hour per run on one core (docs/results.md) and is left out.
+- ``long4x``: the claim's regime, the base of every suite there. The long scale's model and tokens in 4x the
+  steps (8 x 256, 4800 steps; evaluation windows, warmup share and log lines kept as the ``steps`` suite keeps
+  them: :func:`steps_overrides`), where the ``steps`` suite found Muon's and AdamW's 2BW + EF indistinguishable
+  from sync. Every suite there tunes every arm (``Scale.tuned``: each arm sweeps its own rate at the choice
+  seed, reports other seeds on the test windows), 3 reported seeds, 5 for the two arms a verdict is read from
+  (sync and 2BW + EF). Its runs are the ``steps`` suite's 4x runs where they coincide (same config, same id).
+  Depths 2, 8 and 16 on the 16-layer deep model.
 - SOAP preconditions every dimension up to ``optim.max_precond_dim``, below the vocabulary and above every
   hidden dimension at every real scale (2048 at cpu, 4096 at gpu, 255 at long): the paper's regime, where the 49152
   vocabulary exceeds SOAP's default 10000 and the widest hidden dimension (2560) does not. At cpu scale with
@@ -35,13 +43,15 @@ another one (a 32-layer narrow ``deep-*`` model for the depth-16 schedules, an M
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 from bubblefree.config import Config, apply_overrides
 from bubblefree.errors import UserError
 from bubblefree.train.presets import get_preset
 
-__all__ = ["SCALES", "Scale", "get_scale"]
+__all__ = ["SCALES", "Scale", "get_scale", "steps_overrides"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,6 +89,14 @@ class Scale:
     step_factors: tuple[int, ...] = (1, 4)
     """Points of the ``steps`` suite: the base run's tokens in ``f`` times the steps (batch divided by ``f``),
     in the order the suite runs them."""
+
+    tuned: bool = False
+    """Every suite tunes every arm (``experiments.sweeps.Cell``: each arm sweeps its own rate at the choice seed,
+    the reported seeds are others, on the test windows), not only the synchronous one."""
+
+    verdict_seeds: int = 0
+    """At a tuned scale, the reported seeds of the arms a verdict is read from (sync and 2BW + EF), when more
+    than ``seeds``: the verdicts turn on their intervals."""
 
 
 # Evaluation and logging settings shared by every scale's runs: the progress bar is the suite's, not the run's.
@@ -128,7 +146,28 @@ def _long() -> Scale:
                  horizons=(0.05, 0.25, 1.0, 2.0), step_factors=(4, 1))
 
 
-SCALES = {"smoke": _smoke, "cpu": _cpu, "gpu": _gpu, "long": _long}
+def steps_overrides(scale: Scale, factor: int) -> dict[str, Any]:
+    """The base run's tokens in ``factor`` times the steps: the batch divided by ``factor``; the warmup keeps its
+    share (``train.warmup_frac``), evaluations and log lines their count, and the evaluation its windows
+    (``eval_batches x batch_size`` windows, split into validation and test halves by ``train.test_split``)."""
+    t, pipe = scale.base.train, scale.base.pipeline
+    if factor < 1 or t.batch_size % factor:
+        raise UserError(f"Invalid steps factor: {factor} (must divide train.batch_size = {t.batch_size})")
+    batch = t.batch_size // factor
+    return {"train.batch_size": batch, "train.steps": t.steps * factor, "train.eval_every": t.eval_every * factor,
+            "train.eval_batches": t.eval_batches * factor, "train.log_every": t.log_every * factor,
+            "train.test_split": True, "pipeline.microbatches": min(pipe.microbatches, batch)}
+
+
+def _long4x() -> Scale:
+    long = _long()
+    # steps_factors (1,): the steps suite's one point here is the base run itself.
+    return dataclasses.replace(long, name="long4x", base=apply_overrides(long.base, steps_overrides(long, 4)),
+                               seeds=3, verdict_seeds=5, depths=(2, 8, 16), horizons=(0.25, 1.0),
+                               step_factors=(1,), tuned=True)
+
+
+SCALES = {"smoke": _smoke, "cpu": _cpu, "gpu": _gpu, "long": _long, "long4x": _long4x}
 """Scale name -> a function returning the :class:`Scale`."""
 
 
@@ -141,5 +180,5 @@ def get_scale(name: str, *, seeds: int | None = None) -> Scale:
         raise ValueError(f"Invalid seeds: {seeds!r} (must be an integer >= 1)")
     scale = SCALES[name]()
     if seeds is not None:
-        scale = Scale(**{**scale.__dict__, "seeds": seeds})
+        scale = dataclasses.replace(scale, seeds=seeds)
     return scale

@@ -12,9 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from bubblefree.errors import UserError
 from bubblefree.experiments.runner import Run
-from bubblefree.experiments.scales import Scale
+from bubblefree.experiments.scales import Scale, steps_overrides
 from bubblefree.experiments.sweeps import (
     ASYNC,
     DECADES,
@@ -36,6 +35,18 @@ __all__ = ["AJANTHAN", "ALL_OPTIMIZERS", "AUTHORS_DEPTH", "AUTHORS_NADAMW", "AUT
 ALL_OPTIMIZERS = ("adamw", "muon", "soap", "adan", "lion", "mars")  # the paper's Table 1 order
 MOMENTA = (0.8, 0.9, 0.95, 0.98, 0.99)
 TAYLOR_LAMBDA = 0.1  # Taylor's untuned default: docs/delay.md's example value (the paper gives none we could read)
+
+
+def sync_async_ef_cells(*, ef: bool, extra: Callable[[Scale], dict[str, Any]] | None = None):
+    """sync, async (and async + EF) as tuned cells at one point (x = 1): the tuned form of :func:`sync_async_ef`.
+    The arms a verdict is read from (sync, and EF where it runs) get ``Scale.verdict_seeds``."""
+    def cells(scale: Scale) -> list[Cell]:
+        over = extra(scale) if extra else {}
+        verdict = scale.verdict_seeds
+        return [Cell(variant="sync", x=1.0, overrides={**SYNC, **over}, seeds=verdict),
+                Cell(variant="async", x=1.0, overrides={**ASYNC, **over}),
+                *([Cell(variant="ef", x=1.0, overrides={**EF, **over}, seeds=verdict)] if ef else [])]
+    return cells
 
 
 def sync_async_ef(*, ef: bool, extra: Callable[[Scale], dict[str, Any]] | None = None):
@@ -200,19 +211,6 @@ def sensitivity_runs(scale: Scale, lrs: dict[str, float]) -> list[Run]:
             for variant, sched in (("sync", SYNC), ("async", ASYNC)):
                 out += seed_runs(scale, opt, scaled, variant, {**sched, **over}, x=value, setting=setting)
     return out
-
-
-def steps_overrides(scale: Scale, factor: int) -> dict[str, Any]:
-    """The base run's tokens in ``factor`` times the steps: the batch divided by ``factor``; the warmup keeps its
-    share (``train.warmup_frac``), evaluations and log lines their count, and the evaluation its windows
-    (``eval_batches x batch_size`` windows, split into validation and test halves by ``train.test_split``)."""
-    t, pipe = scale.base.train, scale.base.pipeline
-    if factor < 1 or t.batch_size % factor:
-        raise UserError(f"Invalid steps factor: {factor} (must divide train.batch_size = {t.batch_size})")
-    batch = t.batch_size // factor
-    return {"train.batch_size": batch, "train.steps": t.steps * factor, "train.eval_every": t.eval_every * factor,
-            "train.eval_batches": t.eval_batches * factor, "train.log_every": t.log_every * factor,
-            "train.test_split": True, "pipeline.microbatches": min(pipe.microbatches, batch)}
 
 
 def steps_cells(scale: Scale) -> list[Cell]:

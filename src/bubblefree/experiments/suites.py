@@ -45,6 +45,7 @@ from bubblefree.experiments.suite_runs import (
     sensitivity_runs,
     steps_cells,
     sync_async_ef,
+    sync_async_ef_cells,
 )
 from bubblefree.experiments.suite_tables import (
     ef_table,
@@ -69,8 +70,9 @@ class Suite:
     optimizers: tuple[str, ...]
     """Optimizers the suite runs (each gets the synchronous learning-rate sweep first)."""
 
-    runs: Callable[[Scale, dict[str, float]], list[Run]]
-    """``runs(scale, lrs)``: the runs of the optimizers in ``lrs`` (in its order), at their chosen rates."""
+    runs: Callable[[Scale, dict[str, float]], list[Run]] | None
+    """``runs(scale, lrs)``: the runs of the optimizers in ``lrs`` (in its order), at their chosen rates; None for
+    a suite that always tunes every arm (``steps``)."""
 
     table: Callable[[Rows], str]
     plots: tuple[tuple[str, str], ...] = ()
@@ -80,8 +82,9 @@ class Suite:
     """Settings of the suite's methods swept after the learning rate (``knob_sweep_runs``)."""
 
     cells: Callable[[Scale], list[Cell]] | None = None
-    """For a suite that tunes every arm: its cells, each swept on its own instead of the synchronous sweep
-    (``sweeps.cell_sweep_runs``); ``runs`` is then unused."""
+    """The suite's arms as cells, each swept on its own instead of the synchronous sweep
+    (``sweeps.cell_sweep_runs``): what it runs at a tuned scale (``Scale.tuned``), and always where it has no
+    ``runs``."""
 
     arms: Callable[[Scale, tuple[str, ...]], list[tuple[str, Cell]]] | None = None
     """``arms(scale, optimizers)``: ``(optimizer, cell)`` pairs run after the suite's runs, each cell tuned on
@@ -90,13 +93,25 @@ class Suite:
     rates). ``optimizers`` are the suite's optimizers the command runs."""
 
 
+    def tuned_cells(self, scale: Scale) -> list[Cell] | None:
+        """The cells the suite runs at ``scale`` when it tunes every arm there, else None; a UserError for a suite
+        with no tuned form at a tuned scale."""
+        if self.runs is not None and not scale.tuned:
+            return None
+        if self.cells is None:
+            tuned = ", ".join(s.name for s in SUITES.values() if s.cells)
+            raise UserError(f"Invalid suite for scale {scale.name}: {self.name} has no tuned form (every arm on its "
+                            f"own rate sweep); suites there: {tuned}")
+        return self.cells(scale)
+
+
 SUITES: dict[str, Suite] = {s.name: s for s in (
     Suite(name="optimizers", title="Sync vs PipeDream-2BW async per optimizer (the paper's Table 1)",
           optimizers=ALL_OPTIMIZERS, runs=sync_async_ef(ef=False), table=optimizers_table,
-          plots=(("optimizers-curves", "curves"),)),
+          plots=(("optimizers-curves", "curves"),), cells=sync_async_ef_cells(ef=False)),
     Suite(name="error-feedback", title="Async vs async + Error Feedback per optimizer (the paper's Table 2)",
           optimizers=ALL_OPTIMIZERS, runs=sync_async_ef(ef=True), table=ef_table,
-          plots=(("error-feedback-curves", "curves"),)),
+          plots=(("error-feedback-curves", "curves"),), cells=sync_async_ef_cells(ef=True)),
     Suite(name="momentum", title="The sync-async gap against momentum", optimizers=("adamw", "muon"),
           runs=momentum_runs, table=momentum_table, plots=(("momentum-gap", "gap"),), arms=momentum_arms),
     Suite(name="mitigations", title="Mitigations of the one-step delay", optimizers=("adamw", "muon"),
@@ -109,11 +124,12 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
           runs=sensitivity_runs, table=sensitivity_table),
     Suite(name="moe", title="Sync / async / async + EF on a small MoE", optimizers=("adamw", "muon"),
           runs=sync_async_ef(ef=True, extra=lambda scale: {"model.preset": scale.moe_model}),
-          table=moe_table, plots=(("moe-curves", "curves"),)),
+          table=moe_table, plots=(("moe-curves", "curves"),),
+          cells=sync_async_ef_cells(ef=True, extra=lambda scale: {"model.preset": scale.moe_model})),
     Suite(name="horizon", title="The sync-async gap against the training horizon", optimizers=("adamw", "muon"),
           runs=horizon_runs, table=horizon_table, plots=(("horizon-gap", "horizon"),)),
     Suite(name="steps", title="The sync-async gap against the step count at fixed tokens, every arm tuned",
-          optimizers=("muon", "adamw"), runs=lambda scale, lrs: [], table=steps_table,
+          optimizers=("muon", "adamw"), runs=None, table=steps_table,
           plots=(("steps-gap", "steps"),), cells=steps_cells),
 )}
 """Suite name -> :class:`Suite`."""

@@ -220,6 +220,9 @@ class Cell:
     overrides: dict[str, Any]
     """The arm's schedule and correction plus the point's keys (batch, steps, ...)."""
 
+    seeds: int = 0
+    """Reported seeds of this arm when more than the scale's (``Scale.verdict_seeds``)."""
+
 
 def cell_run(scale: Scale, optimizer: str, cell: Cell, lr: float, seed: int, role: str) -> Run:
     """The run of ``cell`` at ``lr`` and ``seed``: the one place a tuned cell's config is built (the suite's sweeps
@@ -269,12 +272,13 @@ def cell_extension(scale: Scale, optimizers: tuple[str, ...], cells: list[Cell],
 
 
 def cell_report_runs(scale: Scale, optimizers: tuple[str, ...], cells: list[Cell], rows: Rows) -> list[Run]:
-    """The reported seeds (``1 .. scale.seeds``) of every cell whose sweep has a result: at its own best rate
-    (role ``best``), and for an asynchronous arm also at the synchronous arm's best rate of the same point
-    (role ``sync-lr``) when the two differ. Ordered so each point's own-rate runs come first."""
-    best, seeds = cell_best(rows), range(CHOICE_SEED + 1, CHOICE_SEED + 1 + scale.seeds)
-    own, at_sync = [], []
+    """The reported seeds (``1 .. scale.seeds``, or the cell's own count when larger) of every cell whose sweep
+    has a result: at its own best rate (role ``best``), and for an asynchronous arm also at the synchronous arm's
+    best rate of the same point (role ``sync-lr``) when the two differ. Ordered so each point's own-rate runs
+    come first."""
+    best, own, at_sync = cell_best(rows), [], []
     for cell in cells:
+        seeds = range(CHOICE_SEED + 1, CHOICE_SEED + 1 + max(scale.seeds, cell.seeds))
         for opt in optimizers:
             lr = best.get((opt, cell.variant, cell.x))
             if lr is None:
