@@ -19,7 +19,7 @@ from bubblefree.errors import UserError
 from bubblefree.experiments import get_scale, get_suite, run_id
 from bubblefree.experiments.suite_runs import steps_overrides
 from bubblefree.experiments.sweeps import cell_run, cell_sweep_runs
-from bubblefree.experiments.tables import T975
+from bubblefree.experiments.tables import t_quantile
 from conftest import run_cli
 
 GOAL = 1.05 * 4 / 5
@@ -52,7 +52,7 @@ def test_each_seed_s_ratio_and_the_summary_over_seeds():
     s = summarize(per_seed)
     assert s["ratio_median"] == pytest.approx(statistics.median(ratios))
     assert (s["ratio_min"], s["ratio_max"]) == (pytest.approx(min(ratios)), pytest.approx(max(ratios)))
-    half = T975[len(ratios) - 2] * statistics.stdev(ratios) / math.sqrt(len(ratios))
+    half = t_quantile(0.975, len(ratios) - 1) * statistics.stdev(ratios) / math.sqrt(len(ratios))
     assert s["ratio_mean"] == pytest.approx(statistics.fmean(ratios))
     assert (s["ratio_low"], s["ratio_high"]) == (pytest.approx(statistics.fmean(ratios) - half),
                                                  pytest.approx(statistics.fmean(ratios) + half))

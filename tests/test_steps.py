@@ -3,6 +3,7 @@ statistics its table reads (checked against a numerically integrated t density a
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import statistics
@@ -23,7 +24,14 @@ from bubblefree.experiments.sweeps import (
     cell_report_runs,
     cell_sweep_runs,
 )
-from bubblefree.experiments.tables import T975, paired, paired_interval, share_interval, verdict
+from bubblefree.experiments.tables import (
+    paired,
+    paired_interval,
+    share_interval,
+    t_quantile,
+    upper_bound,
+    verdict,
+)
 from bubblefree.train.build import validation_batches
 from bubblefree.train.presets import get_preset
 
@@ -39,31 +47,89 @@ def _t_cdf(x: float, df: int) -> float:
 
 
 @pytest.mark.parametrize("df", [1, 2, 3, 4, 5, 9, 19, 30])
-def test_t_quantiles_match_the_integrated_density(df):
-    assert _t_cdf(T975[df - 1], df) == pytest.approx(0.975, abs=2e-5)
+@pytest.mark.parametrize("q", [0.95, 0.975])
+def test_t_quantiles_match_the_integrated_density(df, q):
+    assert _t_cdf(t_quantile(q, df), df) == pytest.approx(q, abs=2e-5)
 
 
 def test_paired_interval_by_hand():
     a, b = {0: 1.30, 1: 1.35, 2: 1.33, 7: 9.0}, {0: 1.28, 1: 1.30, 2: 1.32}
     diffs = paired(a, b)  # seed 7 has no partner
     assert diffs == pytest.approx([0.02, 0.05, 0.01])
-    m, lo, hi = paired_interval(diffs)
-    half = 4.303 * statistics.stdev(diffs) / math.sqrt(3)
-    assert (m, lo, hi) == pytest.approx((0.08 / 3, 0.08 / 3 - half, 0.08 / 3 + half))
-    assert verdict(lo, hi, n=3) == "indistinguishable from sync at 95 %"
-    assert verdict(0.01, 0.02, n=3) == "worse than sync" and verdict(-0.02, -0.01, n=5) == "better than sync"
-    assert verdict(0.01, 0.02, n=2) == "none (2 seeds)"  # two seeds: too few for any verdict
-    assert math.isnan(paired_interval([0.1])[1]) and verdict(math.nan, math.nan, n=3) == "-"
+    m, se = 0.08 / 3, statistics.stdev(diffs) / math.sqrt(3)
+    assert paired_interval(diffs) == pytest.approx((m, m - 4.302653 * se, m + 4.302653 * se), abs=1e-6)
+    assert paired_interval(diffs, 0.90) == pytest.approx((m, m - 2.919986 * se, m + 2.919986 * se), abs=1e-6)
+    assert upper_bound(diffs) == pytest.approx(m + 2.919986 * se, abs=1e-6)  # one-sided 95 %
+    assert math.isnan(paired_interval([0.1])[1])
 
 
-def test_share_interval_is_the_ratio_of_paired_means_with_a_bootstrap_over_seeds():
+@pytest.mark.parametrize("diffs, words", [
+    ([0.02, 0.05, 0.01], "inconclusive (3 seeds)"),  # 95 % holds 0, 90 % reaches past 0.01
+    ([0.001, -0.002, 0.0, 0.002, -0.001], "equivalent to sync within 0.01"),
+    ([0.004, 0.005, 0.006], "equivalent to sync within 0.01 (worse than sync at 95 %)"),  # real but small
+    ([0.04, 0.05, 0.06], "worse than sync"),
+    ([-0.04, -0.05, -0.06, -0.05], "better than sync"),
+    ([-0.003, 0.011, -0.017], "inconclusive (3 seeds)"),  # 95 % interval holds 0: not "matches"
+    ([0.04, 0.05], "none (2 seeds)"),  # too few for any verdict
+    ([0.01, math.inf, 0.0], "-"),  # a diverged run
+])
+def test_verdict_reads_the_two_intervals_at_the_margin(diffs, words):
+    assert verdict(diffs) == words
+
+
+def test_equivalence_is_the_90_percent_interval_inside_the_margin():
+    # Two one-sided tests at 5 % each: equivalent exactly when m -/+ t(0.95, n-1) se lies inside the margin.
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        diffs = list(rng.normal(rng.uniform(-0.02, 0.02), rng.uniform(0.001, 0.02), size=rng.integers(3, 8)))
+        m, se, n = statistics.fmean(diffs), statistics.stdev(diffs) / math.sqrt(len(diffs)), len(diffs)
+        inside = abs(m) + 2.0 * _t_inverse(0.95, n - 1) * se / 2.0 < 0.01
+        assert verdict(diffs).startswith("equivalent") == inside
+
+
+@functools.cache
+def _t_inverse(q: float, df: int) -> float:
+    """The ``q`` quantile of Student's t by bisection on the integrated density (independent of scipy)."""
+    lo, hi = 0.0, 50.0
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if _t_cdf(mid, df) < q else (lo, mid)
+    return (lo + hi) / 2
+
+
+def test_share_interval_is_fiellers():
     sync, delayed, ef = {0: 1.0, 1: 1.1, 2: 1.2}, {0: 1.2, 1: 1.3, 2: 1.4}, {0: 1.1, 1: 1.2, 2: 1.3}
     share, lo, hi = share_interval(sync, delayed, ef)
     assert share == pytest.approx(0.5) and lo == pytest.approx(0.5) and hi == pytest.approx(0.5)  # no spread
-    ef = {0: 1.1, 1: 1.25, 2: 1.2}
+    sync, delayed, ef = {0: 1.0, 1: 1.1, 2: 1.2, 3: 1.0}, {0: 1.2, 1: 1.32, 2: 1.37, 3: 1.21}, \
+        {0: 1.1, 1: 1.25, 2: 1.2, 3: 1.12}
     share, lo, hi = share_interval(sync, delayed, ef)
-    assert share == pytest.approx((0.1 + 0.05 + 0.2) / 3 / 0.2)
-    assert lo <= share <= hi and lo >= 0.25 - 1e-9 and hi <= 1.0 + 1e-9  # within the per-seed extremes
+    a = np.array([delayed[s] - ef[s] for s in range(4)])
+    b = np.array([delayed[s] - sync[s] for s in range(4)])
+    assert share == pytest.approx(a.mean() / b.mean())
+    assert lo < share < hi
+    # The ends are the roots of Fieller's quadratic (A - rho B)^2 = t^2 var(A - rho B), with t(0.975, 3).
+    t = _t_inverse(0.975, 3)
+    for rho in (lo, hi):
+        d = a - rho * b
+        assert d.mean() ** 2 == pytest.approx(t * t * d.var(ddof=1) / 4, rel=1e-4)
+    # A gap not distinguishable from 0 leaves the share unbounded (NaN ends).
+    delayed = {0: 1.05, 1: 1.05, 2: 1.25}
+    assert all(math.isnan(v) for v in share_interval({0: 1.0, 1: 1.1, 2: 1.2}, delayed, delayed)[1:])
+
+
+def test_share_interval_agrees_with_the_delta_method_on_many_seeds():
+    # With 400 seeds and a gap far from 0, Fieller's interval and the delta method's are the same to 2 %.
+    rng = np.random.default_rng(1)
+    b = rng.normal(0.06, 0.01, 400)
+    a = 0.5 * b + rng.normal(0.0, 0.01, 400)
+    sync = {i: 1.0 for i in range(400)}
+    delayed = {i: 1.0 + b[i] for i in range(400)}
+    ef = {i: 1.0 + b[i] - a[i] for i in range(400)}
+    share, lo, hi = share_interval(sync, delayed, ef)
+    r = a.mean() / b.mean()
+    se = np.sqrt(np.var(a - r * b, ddof=1) / 400) / b.mean()
+    assert (lo, hi) == pytest.approx((r - 1.966 * se, r + 1.966 * se), rel=0.02)
 
 
 def test_test_split_halves_the_same_windows_at_every_batch():

@@ -40,6 +40,7 @@ from bubblefree.experiments.sweeps import (
     sweep_runs,
     sweep_table,
 )
+from bubblefree.experiments.tables import MARGIN
 from bubblefree.optim import OPTIMIZERS
 from bubblefree.train.folders import check_ours, hold
 from bubblefree.train.loop import check_lengths
@@ -273,13 +274,16 @@ def _budget(spec, scale) -> list[str]:
     the points tried)."""
     if spec.tuned_cells(scale) is not None:
         n = len(scale.lr_factors)
+        more = (f"; {scale.verdict_seeds} ({CHOICE_SEED + 1}-{CHOICE_SEED + scale.verdict_seeds}) for the arms a "
+                f"verdict is read from" if scale.verdict_seeds > scale.seeds else "")
         return [(f"Tuning budget: every arm at every point sweeps its own learning rate on the same grid ({n} "
                  f"rates, extended past an end while the best sits there, up to {scale.lr_extend} beyond each end) "
                  f"at seed {CHOICE_SEED}, choosing on the validation windows; the losses below are the other seeds "
-                 f"({scale.seeds}: {CHOICE_SEED + 1}-{CHOICE_SEED + scale.seeds}) at the chosen rate, on the test "
-                 f"windows (`train.test_split`), so no reported run chose anything. Gaps are means of paired "
-                 f"per-seed differences with a 95 % t interval; EF's share has a 95 % bootstrap interval over "
-                 f"seeds."), ""]
+                 f"({scale.seeds}: {CHOICE_SEED + 1}-{CHOICE_SEED + scale.seeds}{more}) at the chosen rate, on the "
+                 f"test windows (`train.test_split`), so no reported run chose anything. Differences are means of "
+                 f"paired per-seed differences with t intervals: 95 % (excluding 0: worse / better), 90 % (inside "
+                 f"± {MARGIN:g}, the margin declared before the runs: equivalent), and the one-sided 95 % bound; "
+                 f"a share of the gap recovered has Fieller's 95 % interval."), ""]
     arms = ([f"The tuned arms below the main table each sweep their own rate on the synchronous sweep's grid around "
              f"their optimizer's default (seed {CHOICE_SEED}, extended past an end while the best sits there, up to "
              f"{scale.lr_extend} beyond each end); their losses are the other seeds ({scale.seeds}) at the chosen "
@@ -349,7 +353,7 @@ def suite_tables(spec, scale, sweep_rows: Rows, rows: Rows, *, heading: str = "#
         f"{heading} Learning-rate sweep (synchronous, seed 0, full length)", "", sweep_table(sweep_rows))
     # A suite's table titles its own parts (###) one level below the default "## Results"; nest them under
     # ``heading``'s "Results" wherever the tables are embedded deeper (docs/results.md uses ####).
-    table = re.sub(r"(?m)^### ", f"{heading}# ", spec.table(rows))
+    table = re.sub(r"(?m)^### ", f"{heading}# ", spec.tabulate(scale, rows))
     return "\n".join([
         *sweep, "",
         f"{heading} Results", "", *_budget(spec, scale), table, "",

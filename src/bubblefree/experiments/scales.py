@@ -1,5 +1,5 @@
-"""How big the reproduction runs are: ``smoke`` (seconds per run), ``cpu`` (the default), ``long``, ``long4x``
-and ``gpu``.
+"""How big the reproduction runs are: ``smoke`` (seconds per run) and ``smoke4x`` (its tuned miniature of
+``long4x``), ``cpu`` (the default), ``long``, ``long4x`` and ``gpu``.
 
 A :class:`Scale` holds the base run (built from the run presets of ``bubblefree.train.presets``), the number
 of seeds, the learning-rate factors of the synchronous sweep, and the model presets of the suites that need
@@ -167,7 +167,14 @@ def _long4x() -> Scale:
                                step_factors=(1,), tuned=True)
 
 
-SCALES = {"smoke": _smoke, "cpu": _cpu, "gpu": _gpu, "long": _long, "long4x": _long4x}
+def _smoke4x() -> Scale:
+    """``long4x`` in miniature, for the tests: the smoke run in 4x the steps, every arm tuned."""
+    smoke = _smoke()
+    return dataclasses.replace(smoke, name="smoke4x", base=apply_overrides(smoke.base, steps_overrides(smoke, 4)),
+                               verdict_seeds=2, depths=(2, 4), horizons=(0.5, 1.0), step_factors=(1,), tuned=True)
+
+
+SCALES = {"smoke": _smoke, "smoke4x": _smoke4x, "cpu": _cpu, "gpu": _gpu, "long": _long, "long4x": _long4x}
 """Scale name -> a function returning the :class:`Scale`."""
 
 

@@ -25,6 +25,7 @@ from bubblefree.experiments.sweeps import (
     knob_runs,
     seed_runs,
 )
+from bubblefree.models.presets import build_model
 from bubblefree.optim import OPTIMIZERS
 
 __all__ = ["AJANTHAN", "ALL_OPTIMIZERS", "AUTHORS_DEPTH", "AUTHORS_NADAMW", "AUTHOR_ARMS", "EMA_LADDER", "MOMENTA",
@@ -158,6 +159,51 @@ def momentum_arms(scale: Scale, optimizers: tuple[str, ...]) -> list[tuple[str, 
     scales with ``1 / (1 - momentum)`` in places, so a rate fixed across momenta confounds the two."""
     return [(opt, Cell(variant=variant, x=m, overrides={**sched, **_momentum(opt, m)}))
             for opt in optimizers for m in MOMENTA for variant, sched in zip(RETUNED, (SYNC, ASYNC))]
+
+
+DEPTH_ARMS = (("sync", "sync", "none"), ("2bw", "2bw", "none"), ("2bw + EF", "2bw", "ef"),
+              ("pipedream", "pipedream", "none"), ("pipedream + EF", "pipedream", "ef"))
+"""The depth finding's tuned arms: (variant, schedule, correction)."""
+
+
+def schedule_cells(scale: Scale) -> list[Cell]:
+    """The depth finding in its tuned form: at each of ``scale.depths`` on the deep model, sync, 2BW and PipeDream,
+    each delayed schedule with and without EF (:data:`DEPTH_ARMS`). WPipe is left out: its 2P partitions at depth
+    16 need 32 layers, and the paper's depth finding is PipeDream's against 2BW's."""
+    return [Cell(variant=variant, x=depth, overrides={"model.preset": scale.deep_model, "pipeline.stages": depth,
+                                                      "pipeline.schedule": schedule, "delay.correction": correction})
+            for depth in scale.depths for variant, schedule, correction in DEPTH_ARMS]
+
+
+def moe_overrides(scale: Scale, *, tokens_per_param: bool) -> dict[str, Any]:
+    """The MoE in place of the base model; with ``tokens_per_param`` also the steps scaled by the MoE's total
+    parameters over the base model's, so both see the same tokens per (total) parameter, as the paper's MoE does.
+    (The untuned suites keep the base run's steps, so their finished runs keep their ids.)"""
+    over: dict[str, Any] = {"model.preset": scale.moe_model}
+    if tokens_per_param:
+        t = scale.base.train
+        ratio = _params(scale.moe_model) / _params(scale.base.model.preset)
+        over["train.steps"] = round(t.steps * ratio)
+    return over
+
+
+def _params(preset: str) -> int:
+    """Total parameters of ``preset`` at its own vocabulary (built on the meta device: no memory)."""
+    return build_model(preset, device="meta").num_params()
+
+
+def momentum_cells(scale: Scale) -> list[Cell]:
+    """sync / async at each of ``MOMENTA``, each on its own rate sweep (the tuned form of the momentum suite); one
+    cell per optimizer, as its default momentum is left unset (:func:`_momentum`)."""
+    return [Cell(variant=variant, x=m, overrides={**sched, **_momentum(opt, m)}, optimizer=opt)
+            for opt in ("adamw", "muon") for m in MOMENTA for variant, sched in (("sync", SYNC), ("async", ASYNC))]
+
+
+def horizon_cells(scale: Scale) -> list[Cell]:
+    """sync / async / async + EF at each of ``scale.horizons``, every arm on its own rate sweep."""
+    return [Cell(variant=variant, x=factor, overrides={**sched, **_horizon_overrides(scale, factor)},
+                 seeds=scale.verdict_seeds if variant != "async" else 0)
+            for factor in scale.horizons for variant, sched in (("sync", SYNC), ("async", ASYNC), ("ef", EF))]
 
 
 def schedule_runs(scale: Scale, lrs: dict[str, float]) -> list[Run]:

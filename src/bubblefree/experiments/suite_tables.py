@@ -38,11 +38,12 @@ from bubblefree.experiments.tables import (
     paired_interval,
     share_interval,
     tokens_per_param,
+    upper_bound,
     verdict,
 )
 
-__all__ = ["ef_table", "horizon_table", "mitigations_table", "moe_table", "momentum_table", "optimizers_table",
-    "schedules_table", "sensitivity_table", "steps_table"]
+__all__ = ["ARM_LABELS", "ef_table", "horizon_table", "mitigations_table", "moe_table", "momentum_table",
+    "optimizers_table", "schedules_table", "sensitivity_table", "steps_table", "tuned_table"]
 
 
 def _val_by_seed(rows: Rows, **match: Any) -> dict[int, float]:
@@ -54,8 +55,7 @@ def _val_by_seed(rows: Rows, **match: Any) -> dict[int, float]:
 def _paired_cells(rows: Rows, variant: str, **match: Any) -> list[str]:
     """``variant`` - sync over the seeds both have: the mean with its 95 % t interval, and the verdict."""
     diffs = paired(_val_by_seed(rows, variant=variant, **match), _val_by_seed(rows, variant="sync", **match))
-    m, lo, hi = paired_interval(diffs)
-    return [fmt_interval(m, lo, hi), verdict(lo, hi, n=len(diffs))]
+    return [fmt_interval(*paired_interval(diffs)), verdict(diffs)]
 
 
 def _gap_cells(rows: Rows, **match: Any) -> tuple[list[float], list[float], str, str]:
@@ -92,12 +92,12 @@ def ef_table(rows: Rows, paper: Callable[[str], tuple] = lambda opt: PAPER_360M.
 
 
 def _pct_interval(share: tuple[float, float, float]) -> str:
-    return f" [{fmt_pct(share[1])}, {fmt_pct(share[2])}]" if math.isfinite(share[1]) else ""
+    return f" [{fmt_pct(share[1])}, {fmt_pct(share[2])}]" if math.isfinite(share[1]) else " [unbounded]"
 
 
 def _share(sync: dict[int, float], delayed: dict[int, float], corrected: dict[int, float]) -> str:
-    """The gap recovered with its bootstrap interval from at least ``VERDICT_SEEDS`` seeds (two seeds give a
-    bootstrap of four resamples: no interval)."""
+    """The gap recovered with its Fieller interval from at least ``VERDICT_SEEDS`` seeds ("unbounded" where the
+    gap itself is not distinguishable from 0)."""
     share = share_interval(sync, delayed, corrected)
     n = len(sync.keys() & delayed.keys() & corrected.keys())
     return fmt_pct(share[0]) + (_pct_interval(share) if n >= VERDICT_SEEDS else "")
@@ -126,8 +126,7 @@ def _lr_cell(rows: Rows, **match: Any) -> str:
 def _versus(rows: Rows, arm: str, baseline: str, *, than: str = "sync", **match: Any) -> list[str]:
     """``arm - baseline`` over their reported seeds: the mean with its 95 % t interval, and the verdict."""
     diffs = paired(_reported(rows, variant=arm, **match), _reported(rows, variant=baseline, **match))
-    m, lo, hi = paired_interval(diffs)
-    return [fmt_interval(m, lo, hi), verdict(lo, hi, n=len(diffs), than=than)]
+    return [fmt_interval(*paired_interval(diffs)), verdict(diffs, than=than)]
 
 
 def _retuned_momentum_table(rows: Rows) -> str:
@@ -292,11 +291,11 @@ def steps_table(rows: Rows) -> str:
             best = paired_interval(best_diffs)
             out.append([opt, f"{t['steps']} ({t['batch_size']} x {t['seq_len']})", " / ".join(lr.values()),
                         *(fmt_mean(list(cell[v].values())) for v in ("sync", "async", "ef")),
-                        fmt_interval(*gap), fmt_interval(*ef_gap), verdict(*ef_gap[1:], n=len(ef_diffs)),
+                        fmt_interval(*gap), fmt_interval(*ef_gap), verdict(ef_diffs),
                         _share(cell["sync"], cell["async"], cell["ef"]),
                         " / ".join(at_sync),
                         f"{fmt_interval(*best)} (sync at {best_steps} steps): "
-                        f"{verdict(*best[1:], n=len(best_diffs), than='it')}"
+                        f"{verdict(best_diffs, than='it')}"
                         if best_x is not None else "-"])
     return markdown_table(["optimizer", "steps (batch)", "lr sync / 2BW / 2BW + EF", "sync", "2BW", "2BW + EF",
                            "2BW gap [95 %]", "2BW + EF gap [95 %]", "2BW + EF verdict", "EF recovered [95 %]",
@@ -315,3 +314,38 @@ def sensitivity_table(rows: Rows) -> str:
             out.append(row)
     header = ["setting", "value"] + [f"{opt} {c}" for opt in opts for c in ("sync", "async", "gap", "noise")]
     return markdown_table(header, out)
+
+
+ARM_LABELS = {"async": "2BW", "ef": "2BW + EF", "2bw": "2BW", "2bw + EF": "2BW + EF", "pipedream": "PipeDream",
+              "pipedream + EF": "PipeDream + EF"}
+"""How a tuned table names an arm (``variant``)."""
+
+
+def tuned_table(rows: Rows, *, shares: dict[str, str]) -> str:
+    """A suite in its tuned form: per optimizer and point, every arm at its own rate (reported seeds, test windows)
+    against sync at the same point: the paired difference with its 95 % interval, the 90 % interval the
+    equivalence test reads, the one-sided 95 % bound ("at most this much worse"), the verdict at
+    :data:`~bubblefree.experiments.tables.MARGIN`, and for a corrected arm (``shares``: corrected -> delayed
+    variant) the gap it recovers with Fieller's interval."""
+    out = []
+    reported = [r for r in rows if r.get("role") == "best"]
+    for opt in dict.fromkeys(r["optimizer"] for r in reported):
+        mine = [r for r in reported if r["optimizer"] == opt]
+        for x in dict.fromkeys(r["x"] for r in mine):
+            at = [r for r in mine if r["x"] == x]
+            sync = _test_by_seed(at, variant="sync")
+            for variant in dict.fromkeys(r["variant"] for r in at):
+                got = _test_by_seed(at, variant=variant)
+                lr = _lr_cell(at, variant=variant)
+                row = [opt, f"{x:g}", ARM_LABELS.get(variant, variant), lr,
+                       f"{fmt_mean(list(got.values()))} ({len(got)})"]
+                if variant == "sync":
+                    out.append(row + [""] * 5)
+                    continue
+                diffs = paired(got, sync)
+                share = (_share(sync, _test_by_seed(at, variant=shares[variant]), got)
+                         if variant in shares else "")
+                out.append(row + [fmt_interval(*paired_interval(diffs)), fmt_interval(*paired_interval(diffs, 0.90)),
+                                  fmt(upper_bound(diffs)), verdict(diffs), share])
+    return markdown_table(["optimizer", "point", "arm", "lr", "test loss (seeds)", "arm - sync, paired [95 %]",
+                           "[90 %]", "at most (one-sided 95 %)", "verdict", "gap recovered [Fieller 95 %]"], out)

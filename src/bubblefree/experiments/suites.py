@@ -26,6 +26,7 @@ What each suite runs is built in ``experiments.suite_runs``, its table in ``expe
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,11 +37,15 @@ from bubblefree.experiments.scales import Scale
 from bubblefree.experiments.suite_runs import (
     ALL_OPTIMIZERS,
     authors_arms,
+    horizon_cells,
     horizon_runs,
     mitigation_knobs,
     mitigation_runs,
+    moe_overrides,
     momentum_arms,
+    momentum_cells,
     momentum_runs,
+    schedule_cells,
     schedule_runs,
     sensitivity_runs,
     steps_cells,
@@ -57,6 +62,7 @@ from bubblefree.experiments.suite_tables import (
     schedules_table,
     sensitivity_table,
     steps_table,
+    tuned_table,
 )
 from bubblefree.experiments.sweeps import Cell, Knob, Rows
 
@@ -93,6 +99,15 @@ class Suite:
     rates). ``optimizers`` are the suite's optimizers the command runs."""
 
 
+    shares: dict[str, str] = dataclasses.field(default_factory=lambda: {"ef": "async"})
+    """In the tuned form's table: each corrected arm and the delayed arm whose gap it recovers."""
+
+    def tabulate(self, scale: Scale, rows: Rows) -> str:
+        """The suite's table at ``scale``: its own, or in its tuned form every arm against sync."""
+        if self.runs is not None and scale.tuned:
+            return tuned_table(rows, shares=self.shares)
+        return self.table(rows)
+
     def tuned_cells(self, scale: Scale) -> list[Cell] | None:
         """The cells the suite runs at ``scale`` when it tunes every arm there, else None; a UserError for a suite
         with no tuned form at a tuned scale."""
@@ -113,21 +128,23 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
           optimizers=ALL_OPTIMIZERS, runs=sync_async_ef(ef=True), table=ef_table,
           plots=(("error-feedback-curves", "curves"),), cells=sync_async_ef_cells(ef=True)),
     Suite(name="momentum", title="The sync-async gap against momentum", optimizers=("adamw", "muon"),
-          runs=momentum_runs, table=momentum_table, plots=(("momentum-gap", "gap"),), arms=momentum_arms),
+          runs=momentum_runs, table=momentum_table, plots=(("momentum-gap", "gap"),), arms=momentum_arms,
+          cells=momentum_cells),
     Suite(name="mitigations", title="Mitigations of the one-step delay", optimizers=("adamw", "muon"),
           runs=mitigation_runs, table=mitigations_table,
           plots=(("mitigations-curves", "curves"), ("mitigations-recovered", "recovered")),
           knobs=mitigation_knobs(), arms=authors_arms),
     Suite(name="schedules", title="PipeDream vs 2BW vs WPipe against pipeline depth", optimizers=("adamw", "muon"),
-          runs=schedule_runs, table=schedules_table, plots=(("schedules-gap", "gap"),)),
+          runs=schedule_runs, table=schedules_table, plots=(("schedules-gap", "gap"),), cells=schedule_cells,
+          shares={"2bw + EF": "2bw", "pipedream + EF": "pipedream"}),
     Suite(name="sensitivity", title="Batch size, learning rate and weight decay", optimizers=("adamw", "muon"),
           runs=sensitivity_runs, table=sensitivity_table),
     Suite(name="moe", title="Sync / async / async + EF on a small MoE", optimizers=("adamw", "muon"),
-          runs=sync_async_ef(ef=True, extra=lambda scale: {"model.preset": scale.moe_model}),
+          runs=sync_async_ef(ef=True, extra=lambda scale: moe_overrides(scale, tokens_per_param=False)),
           table=moe_table, plots=(("moe-curves", "curves"),),
-          cells=sync_async_ef_cells(ef=True, extra=lambda scale: {"model.preset": scale.moe_model})),
+          cells=sync_async_ef_cells(ef=True, extra=lambda scale: moe_overrides(scale, tokens_per_param=True))),
     Suite(name="horizon", title="The sync-async gap against the training horizon", optimizers=("adamw", "muon"),
-          runs=horizon_runs, table=horizon_table, plots=(("horizon-gap", "horizon"),)),
+          runs=horizon_runs, table=horizon_table, plots=(("horizon-gap", "horizon"),), cells=horizon_cells),
     Suite(name="steps", title="The sync-async gap against the step count at fixed tokens, every arm tuned",
           optimizers=("muon", "adamw"), runs=None, table=steps_table,
           plots=(("steps-gap", "steps"),), cells=steps_cells),

@@ -223,6 +223,14 @@ class Cell:
     seeds: int = 0
     """Reported seeds of this arm when more than the scale's (``Scale.verdict_seeds``)."""
 
+    optimizer: str | None = None
+    """The one optimizer the cell is for (its overrides depend on it); None: every optimizer the suite runs."""
+
+
+def _pairs(cells: list[Cell], optimizers: tuple[str, ...]) -> list[tuple[Cell, str]]:
+    """Every (cell, optimizer) the cells stand for, cell by cell."""
+    return [(cell, opt) for cell in cells for opt in optimizers if cell.optimizer in (None, opt)]
+
 
 def cell_run(scale: Scale, optimizer: str, cell: Cell, lr: float, seed: int, role: str) -> Run:
     """The run of ``cell`` at ``lr`` and ``seed``: the one place a tuned cell's config is built (the suite's sweeps
@@ -234,7 +242,7 @@ def cell_run(scale: Scale, optimizer: str, cell: Cell, lr: float, seed: int, rol
 
 def cell_sweep_runs(scale: Scale, optimizers: tuple[str, ...], cells: list[Cell]) -> list[Run]:
     """Every cell's rate grid (the synchronous sweep's grid) at the choice seed."""
-    return [cell_run(scale, opt, cell, lr, CHOICE_SEED, "sweep") for cell in cells for opt in optimizers
+    return [cell_run(scale, opt, cell, lr, CHOICE_SEED, "sweep") for cell, opt in _pairs(cells, optimizers)
             for lr in _lr_grid(scale, opt)]
 
 
@@ -256,18 +264,17 @@ def cell_best(rows: Rows) -> dict[tuple[str, str, float], float]:
 def cell_extension(scale: Scale, optimizers: tuple[str, ...], cells: list[Cell], rows: Rows) -> list[Run]:
     """The next sweep point of every cell whose best rate is the highest (lowest) it tried (``sweep_extension``)."""
     points, out = _cell_points(rows), []
-    for cell in cells:
-        for opt in optimizers:
-            tried = points.get((opt, cell.variant, cell.x), {})
-            if len(tried) < 2:
-                continue
-            best = min(tried, key=lambda lr: (tried[lr], lr))
-            if best not in (min(tried), max(tried)):
-                continue
-            grid = _lr_grid(scale, opt, extended=True)
-            beyond = [lr for lr in grid if lr > best] if best == max(tried) else [lr for lr in grid if lr < best][::-1]
-            if beyond:
-                out.append(cell_run(scale, opt, cell, beyond[0], CHOICE_SEED, "sweep"))
+    for cell, opt in _pairs(cells, optimizers):
+        tried = points.get((opt, cell.variant, cell.x), {})
+        if len(tried) < 2:
+            continue
+        best = min(tried, key=lambda lr: (tried[lr], lr))
+        if best not in (min(tried), max(tried)):
+            continue
+        grid = _lr_grid(scale, opt, extended=True)
+        beyond = [lr for lr in grid if lr > best] if best == max(tried) else [lr for lr in grid if lr < best][::-1]
+        if beyond:
+            out.append(cell_run(scale, opt, cell, beyond[0], CHOICE_SEED, "sweep"))
     return out
 
 
@@ -277,16 +284,15 @@ def cell_report_runs(scale: Scale, optimizers: tuple[str, ...], cells: list[Cell
     best rate of the same point (role ``sync-lr``) when the two differ. Ordered so each point's own-rate runs
     come first."""
     best, own, at_sync = cell_best(rows), [], []
-    for cell in cells:
+    for cell, opt in _pairs(cells, optimizers):
         seeds = range(CHOICE_SEED + 1, CHOICE_SEED + 1 + max(scale.seeds, cell.seeds))
-        for opt in optimizers:
-            lr = best.get((opt, cell.variant, cell.x))
-            if lr is None:
-                continue
-            own += [cell_run(scale, opt, cell, lr, s, "best") for s in seeds]
-            sync_lr = best.get((opt, "sync", cell.x))
-            if cell.variant != "sync" and sync_lr is not None and sync_lr != lr:
-                at_sync += [cell_run(scale, opt, cell, sync_lr, s, "sync-lr") for s in seeds]
+        lr = best.get((opt, cell.variant, cell.x))
+        if lr is None:
+            continue
+        own += [cell_run(scale, opt, cell, lr, s, "best") for s in seeds]
+        sync_lr = best.get((opt, "sync", cell.x))
+        if cell.variant != "sync" and sync_lr is not None and sync_lr != lr:
+            at_sync += [cell_run(scale, opt, cell, sync_lr, s, "sync-lr") for s in seeds]
     return own + at_sync
 
 
