@@ -94,7 +94,8 @@ FLAT = {f"{s}.{k}": v for s, table in config_to_dict(Config()).items() for k, v 
 ALLOWED = CHOICES
 POSITIVE = {"data.vocab_size", "train.steps", "train.batch_size", "train.seq_len", "train.eval_batches",
             "train.log_every", "train.ckpt_keep", "pipeline.stages", "pipeline.microbatches"}
-FREE_TEXT = {"data.source", "data.cache_dir"}  # any text is a path: a missing one is tested in the table
+# Any text is a path (a missing one is tested in the table) or a digest of one, and empty is the default.
+FREE_TEXT = {"data.source", "data.cache_dir", "model.init_from", "model.init_sha256"}
 
 
 def _parses(kind: type, raw: str) -> bool:

@@ -152,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     export = commands.add_parser(
         "export", help="write a trained model as a Hugging Face folder (transformers loads it offline)",
-        description="Export a run's newest checkpoint (or one checkpoint file) for other tools (docs/export.md).")
+        description="Export a run's newest checkpoint (or one checkpoint file) for other tools (docs/huggingface.md).")
     export.add_argument("source", metavar="RUN_OR_CHECKPOINT", help="a run folder or RUN/checkpoints/step_N.pt")
     export.add_argument("--format", choices=("hf",), default="hf",
                         help="hf: LLaMA config, safetensors weights, fast tokenizer (needs bubblefree[hf])")
@@ -252,7 +252,8 @@ def _plan(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UserError(str(e)) from None
     t, p = config.train, config.pipeline
-    print(f"{config.model.preset}, {config.optim.name}, correction {config.delay.correction}, batch {t.batch_size} "
+    model = config.model.init_from or config.model.preset
+    print(f"{model}, {config.optim.name}, correction {config.delay.correction}, batch {t.batch_size} "
           f"= {p.microbatches} x {t.batch_size // p.microbatches} sequences of {t.seq_len} tokens, "
           f"{'bfloat16' if t.dtype == 'bfloat16' else 'float32'} activations, P = {p.stages}, R = {args.replicas};"
           f" step time in units of --costs {args.costs} (one microbatch's forward on one stage = "

@@ -91,6 +91,16 @@ class ModelConfig:
     vocab_size: int = _key(0, ge=0)
     """Vocabulary size; 0 takes the tokenizer's."""
 
+    init_from: str = ""
+    """A local Hugging Face LLaMA folder (config.json, safetensors weights, tokenizer.json) to start from:
+    its config.json gives the shapes (``preset`` is not used, ``vocab_size`` must be 0 or its own), its weights
+    replace the random init and its tokenizer encodes text sources (``data.tokenizer`` and ``data.vocab_size``
+    are not used). Empty: the preset, initialised from ``train.seed``. See docs/huggingface.md."""
+
+    init_sha256: str = ""
+    """The fingerprint of ``init_from``: sha256 of its shapes and weight files (docs/huggingface.md). Empty: the
+    run records it at its start; a run or resume whose folder hashes otherwise is refused."""
+
 
 @dataclass(kw_only=True)
 class DataConfig:
@@ -469,6 +479,8 @@ def validate(config: Config, *, replicas: int | None = None) -> Config:
             note = f"; {rules['note']}" if "note" in rules else ""
             raise UserError(f"Invalid {key}: {value} ({problem}{note})")
 
+    if config.model.init_sha256 and not config.model.init_from:
+        raise UserError("Invalid model.init_sha256: set without model.init_from (it pins that folder's weights)")
     train, pipe, correction = config.train, config.pipeline, config.delay.correction
     if correction == "taylor" and config.delay.taylor_lambda == 0:
         raise UserError("Invalid delay.taylor_lambda: 0.0 with delay.correction = taylor (lambda 0 is the plain "

@@ -3,13 +3,15 @@
 The folder holds ``config.json`` (a ``LlamaConfig``), ``model.safetensors`` (float32), the tokenizer as a
 fast tokenizer (``tokenizer.json`` and its configs) and ``bubblefree.toml`` (the run's config), so
 ``transformers.AutoModelForCausalLM.from_pretrained(DIR)`` and ``AutoTokenizer.from_pretrained(DIR)`` load it
-offline, and tools built on them (lm-evaluation-harness,
-vLLM) take it as a LLaMA model. The weights are mapped by :func:`bubblefree.models.llama.to_hf_llama`, the
-same mapping the model tests compare logits through.
+offline, and tools built on them (lm-evaluation-harness, vLLM) take it as a LLaMA model. The weights are
+mapped by :func:`bubblefree.models.hf.to_hf_llama`, the same mapping the model tests compare logits through;
+the same module reads such a folder back (``model.init_from``, docs/huggingface.md).
 
 Tokenizers: the byte-level BPE is its own ``tokenizers`` JSON; the byte tokenizer (token ``i`` is byte ``i``)
 becomes a ``tokenizers`` BPE over the 256 byte symbols with no merges, which encodes and decodes every text
 exactly as ``ByteTokenizer`` does. Neither adds special tokens (the runs train on raw streams without them).
+A run started from a Hugging Face folder exports with that folder's ``tokenizer.json`` (its special-token
+settings in ``tokenizer_config.json`` are not carried over).
 
 Dense models only: the MoE presets (routed experts plus an ungated shared expert, first block dense) match no
 Hugging Face architecture exactly (Mixtral has no shared expert, Qwen2-MoE gates it, DeepSeek-V2/V3 use
@@ -27,14 +29,14 @@ from tokenizers import Tokenizer, decoders, models as tokenizer_models, pre_toke
 
 from bubblefree.config import config_from_dict, dump_toml
 from bubblefree.data import load_tokens
-from bubblefree.data.tokenizer import BPETokenizer, ByteTokenizer
+from bubblefree.data.tokenizer import BPETokenizer, ByteTokenizer, OpaqueTokenizer
 from bubblefree.errors import UserError
-from bubblefree.models import build_model
-from bubblefree.models.llama import to_hf_llama
+from bubblefree.models import Transformer, build_model
+from bubblefree.models.hf import check_fingerprint, read_hf_folder, to_hf_llama
 from bubblefree.train.checkpoint import latest_checkpoint, load_checkpoint
 from bubblefree.train.folders import hold
 
-__all__ = ["byte_tokenizer", "export_hf", "load_run_model"]
+__all__ = ["byte_tokenizer", "export_hf", "load_run_model", "write_hf"]
 
 
 def _checkpoint_path(source: str | Path) -> Path:
@@ -59,15 +61,21 @@ def load_run_model(source: str | Path) -> tuple[Any, Any, Any]:
     path = _checkpoint_path(source)
     ckpt = load_checkpoint(path, advice_for=_export_instead, verified=True)
     config = config_from_dict(ckpt["config"], origin=f"checkpoint {path}")
-    data = load_tokens(config.data)
-    model = build_model(config.model.preset, vocab_size=config.model.vocab_size or data.vocab_size)
+    if config.model.init_from:  # a run started from a Hugging Face folder: its shapes and tokenizer are that one's
+        folder = read_hf_folder(config.model.init_from)
+        check_fingerprint(folder, config.model.init_sha256)
+        model, tokenizer = Transformer(folder.args), BPETokenizer(folder.tokenizer)
+    else:
+        data = load_tokens(config.data)
+        model = build_model(config.model.preset, vocab_size=config.model.vocab_size or data.vocab_size)
+        tokenizer = data.tokenizer
     state = ckpt["executor"]
     if state.get("runtime") == "distributed":  # stage modules hold the whole model's names (models.split)
         weights = {k: v for stage in state["stages"] for k, v in stage["module"].items()}
     else:
         weights = state["model"]
     model.load_state_dict(weights)
-    return model.eval(), data.tokenizer, config
+    return model.eval(), tokenizer, config
 
 
 def byte_tokenizer():
@@ -96,11 +104,7 @@ def _byte_chars() -> dict[str, int]:
 
 def export_hf(source: str | Path, out: str | Path) -> Path:
     """Write ``source``'s model and tokenizer to the new folder ``out`` (module docstring); return ``out``."""
-    try:  # imported here: transformers is an optional extra (and takes seconds to import)
-        import transformers
-    except ImportError:
-        raise UserError("Invalid export: --format hf needs transformers: pip install 'bubblefree[hf]'") from None
-
+    _transformers()
     out = Path(out)
     if out.exists():
         raise UserError(f"Invalid --out: {out} already exists (export writes a new folder)")
@@ -114,20 +118,35 @@ def export_hf(source: str | Path, out: str | Path) -> Path:
                         f"expert, which no Hugging Face architecture computes exactly (Mixtral has no shared "
                         f"expert, Qwen2-MoE gates it, DeepSeek-V2/V3 use latent attention); only dense models "
                         f"are exported")
-    if isinstance(tokenizer, BPETokenizer):
-        backend = tokenizer.tokenizer
-    elif isinstance(tokenizer, ByteTokenizer):
-        backend = byte_tokenizer()
-    else:
+    if isinstance(tokenizer, OpaqueTokenizer):
         raise UserError(f"Invalid export: {config.data.source} is pre-tokenized shards without their tokenizer")
+    return write_hf(model, tokenizer, out, config=config)
+
+
+def _transformers():
+    try:  # imported here: transformers is an optional extra (and takes seconds to import)
+        import transformers
+    except ImportError:
+        raise UserError("Invalid export: --format hf needs transformers: pip install 'bubblefree[hf]'") from None
+    return transformers
+
+
+def write_hf(model: Any, tokenizer: BPETokenizer | ByteTokenizer, out: str | Path, *, config: Any = None) -> Path:
+    """Write the dense ``model`` and ``tokenizer`` as the Hugging Face folder ``out`` (which must not exist),
+    with ``config`` (the run's) as ``bubblefree.toml`` when given; return ``out``. The writer of
+    :func:`export_hf`, also what a folder read back with ``bubblefree.models.hf`` is written again with."""
+    transformers = _transformers()
+    backend = tokenizer.tokenizer if isinstance(tokenizer, BPETokenizer) else byte_tokenizer()
     hf = to_hf_llama(model)
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, clean_up_tokenization_spaces=False)
+    out = Path(out)
     tmp = out.with_name(f".{out.name}.tmp")  # written whole, then renamed: no half-written folder under DIR
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         hf.save_pretrained(tmp, safe_serialization=True)
         fast.save_pretrained(tmp)
-        (tmp / "bubblefree.toml").write_text(dump_toml(config), encoding="utf-8")  # the run that made it
+        if config is not None:
+            (tmp / "bubblefree.toml").write_text(dump_toml(config), encoding="utf-8")  # the run that made it
         tmp.rename(out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

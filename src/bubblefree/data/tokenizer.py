@@ -89,7 +89,10 @@ class ByteTokenizer:
 
 
 class BPETokenizer:
-    """A trained ``tokenizers.Tokenizer`` (byte-level BPE) behind the three-member interface."""
+    """A ``tokenizers.Tokenizer`` behind the three-member interface: our trained byte-level BPE, or a model
+    folder's ``tokenizer.json`` (``model.init_from``). It adds no special tokens (a folder's post-processor may
+    add a beginning-of-text token; the runs train on raw streams), and a folder's tokenizer is lossless only if
+    its normalizer is (NFKC, lowercasing and the like are not)."""
 
     def __init__(self, tokenizer: tokenizers.Tokenizer) -> None:
         self.tokenizer = tokenizer
@@ -102,7 +105,7 @@ class BPETokenizer:
         return self.tokenizer.decode(list(ids))
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return [e.ids for e in self.tokenizer.encode_batch(list(texts))]
+        return [e.ids for e in self.tokenizer.encode_batch(list(texts), add_special_tokens=False)]
 
 
 class OpaqueTokenizer:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import tokenizers
 import torch
 
 from bubblefree.config import CHOICES, DataConfig
@@ -21,6 +22,7 @@ from bubblefree.data.cache import content_key, load_stream, resolve_cache_dir, s
 from bubblefree.data.shards import load_shards
 from bubblefree.data.sources import TextCorpus, load_embedded, load_hf, load_text_path
 from bubblefree.data.tokenizer import (
+    BPETokenizer,
     ByteTokenizer,
     OpaqueTokenizer,
     Tokenizer,
@@ -46,10 +48,12 @@ class TokenData:
     source: str
 
 
-def load_tokens(cfg: DataConfig) -> TokenData:
+def load_tokens(cfg: DataConfig, *, tokenizer: tokenizers.Tokenizer | None = None) -> TokenData:
     """Tokenize ``cfg.source`` with ``cfg.tokenizer`` (training the BPE on first use), through the cache.
 
     ``.bin`` shard folders are used as they are (``cfg.tokenizer`` and ``cfg.vocab_size`` do not apply).
+    ``tokenizer``, a model folder's own (``model.init_from``), encodes text sources instead of ``cfg.tokenizer``
+    (then ``cfg.vocab_size`` does not apply either); its streams are cached under the sha256 of its JSON.
     """
     if cfg.tokenizer not in TOKENIZERS:
         raise ValueError(f"Invalid tokenizer: {cfg.tokenizer!r} (expected one of {', '.join(TOKENIZERS)})")
@@ -65,25 +69,29 @@ def load_tokens(cfg: DataConfig) -> TokenData:
             return TokenData(train, val, vocab_size, OpaqueTokenizer(vocab_size, str(path)), str(path))
         if path.suffix == ".bin":
             raise UserError(f"Data source {path} is a single .bin shard; point data.source at its folder")
-    if cfg.tokenizer == "bpe":
+    if cfg.tokenizer == "bpe" and tokenizer is None:
         _check_bpe_vocab(cfg.vocab_size)
 
     corpus = _load_corpus(source)
     cache = resolve_cache_dir(cfg.cache_dir)
-    if cfg.tokenizer == "byte":
-        tokenizer, tok_key = ByteTokenizer(), "byte"
+    encoder: ByteTokenizer | BPETokenizer
+    if tokenizer is not None:
+        encoder = BPETokenizer(tokenizer)
+        tok_key = content_key(kind="tokenizer.json", sha256=hashlib.sha256(tokenizer.to_str().encode()).hexdigest())
+    elif cfg.tokenizer == "byte":
+        encoder, tok_key = ByteTokenizer(), "byte"
     else:
-        tokenizer, tok_key = cached_bpe(corpus.train, docs_digest=corpus.digest("train"),
-                                        vocab_size=cfg.vocab_size, cache_dir=cache)
-    dtype = stream_dtype(tokenizer.vocab_size)
+        encoder, tok_key = cached_bpe(corpus.train, docs_digest=corpus.digest("train"),
+                                      vocab_size=cfg.vocab_size, cache_dir=cache)
+    dtype = stream_dtype(encoder.vocab_size)
     streams = {}
     for split in ("train", "val"):
         key = content_key(tokenizer=tok_key, text=corpus.digest(split), dtype=dtype.name)
         stream_path = cache / "tokens" / f"{key[:16]}-{split}.npy"
         if not stream_path.exists():
-            save_stream(stream_path, encode_stream(tokenizer, getattr(corpus, split), dtype))  # type: ignore[arg-type]
+            save_stream(stream_path, encode_stream(encoder, getattr(corpus, split), dtype))
         streams[split] = load_stream(stream_path, dtype)
-    return TokenData(streams["train"], streams["val"], tokenizer.vocab_size, tokenizer, corpus.source)
+    return TokenData(streams["train"], streams["val"], encoder.vocab_size, encoder, corpus.source)
 
 
 def resolved_source(source: str) -> str:

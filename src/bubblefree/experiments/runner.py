@@ -88,6 +88,8 @@ NEUTRAL: dict[str, Any] = {
     "delay.predict_scale": 1.0,  # acts only with delay.correction = predict, added with it
     "train.test_split": False,  # off: every evaluation window is validation, as before the key existed
     "optim.momentum_decay": 0.004,  # acts only with optim.name = nadamw, added with it
+    "model.init_from": "",  # empty: the preset from a random init, as before the key existed
+    "model.init_sha256": "",  # acts only with model.init_from, added with it
 }
 """Every config key added after :data:`_ORIGINAL_KEYS`, with its *neutral* value: the value under which a run
 computes exactly what it computed before the key existed. A key at its neutral value is left out of the id, so

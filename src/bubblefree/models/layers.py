@@ -2,7 +2,7 @@
 
 RMSNorm is PyTorch's own ``nn.RMSNorm`` (fused on CPU and CUDA), so it is not redefined here.
 Conventions follow Hugging Face ``LlamaForCausalLM`` exactly (rotate-half RoPE, ``[out, in]`` weights), so
-weights map one to one (see ``bubblefree.models.llama.to_hf_llama``).
+weights map one to one (``bubblefree.models.hf``).
 """
 
 from __future__ import annotations

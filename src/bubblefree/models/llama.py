@@ -18,7 +18,7 @@ from bubblefree.models.layers import Attention, SwiGLU, rope_cos_sin
 from bubblefree.models.loss import aux_loss_sum
 from bubblefree.models.moe import MoE
 
-__all__ = ["Block", "ModelArgs", "Transformer", "forward_span", "to_hf_llama"]
+__all__ = ["Block", "ModelArgs", "Transformer", "forward_span"]
 
 INIT_STD = 0.02
 """Std of every weight matrix at init (GPT-2, Radford et al. 2019; Hugging Face ``initializer_range``)."""
@@ -241,41 +241,3 @@ class Transformer(nn.Module):
                 total -= sum(p.numel() for p in m.parameters()) - m.active_params()
         return total
 
-
-def to_hf_llama(model: Transformer):  # -> transformers.LlamaForCausalLM
-    """A Hugging Face ``LlamaForCausalLM`` (float32, SDPA attention) with this dense model's config and a copy
-    of its weights; used as the independent reference in tests and benchmarks. Needs ``transformers``."""
-    from transformers import LlamaConfig, LlamaForCausalLM  # here: an optional extra, seconds to import
-
-    args = model.args
-    if args.n_experts:
-        raise ValueError(f"Invalid model: an MoE model (n_experts={args.n_experts}) has no LlamaForCausalLM twin")
-    config = LlamaConfig(
-        vocab_size=args.vocab_size,
-        hidden_size=args.dim,
-        intermediate_size=args.mlp_hidden,
-        num_hidden_layers=args.n_layers,
-        num_attention_heads=args.n_heads,
-        num_key_value_heads=args.n_kv_heads,
-        max_position_embeddings=args.max_seq_len,
-        rms_norm_eps=args.norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": args.rope_theta},
-        tie_word_embeddings=args.tie_embeddings,
-        attn_implementation="sdpa",
-    )
-    hf = LlamaForCausalLM(config).float()
-    names = {"attn_norm.": "input_layernorm.", "mlp_norm.": "post_attention_layernorm."}
-    names |= {f"attn.w{x}.": f"self_attn.{x}_proj." for x in "qkvo"}
-    names |= {"mlp.w1.": "mlp.gate_proj.", "mlp.w2.": "mlp.down_proj.", "mlp.w3.": "mlp.up_proj."}
-    state = {}
-    for name, tensor in model.state_dict().items():
-        if name.startswith("embed."):
-            name = "model.embed_tokens." + name.removeprefix("embed.")
-        elif name.startswith(("layers.", "norm.")):
-            for ours, theirs in names.items():
-                name = name.replace(ours, theirs)
-            name = "model." + name
-        state[name] = tensor
-    missing, unexpected = hf.load_state_dict(state, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
-    return hf

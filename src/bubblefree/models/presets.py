@@ -24,10 +24,12 @@ from collections.abc import Callable
 
 import torch
 
+from bubblefree.config import ModelConfig
 from bubblefree.errors import UserError
+from bubblefree.models.hf import read_hf_args
 from bubblefree.models.llama import ModelArgs, Transformer
 
-__all__ = ["DEFAULT_VOCAB", "PRESETS", "build_model"]
+__all__ = ["DEFAULT_VOCAB", "PRESETS", "build_model", "model_args"]
 
 DEFAULT_VOCAB = 8192
 """The default BPE vocabulary (``DataConfig.vocab_size``) the CPU presets are sized at."""
@@ -138,6 +140,16 @@ PRESETS: dict[str, Callable[..., ModelArgs]] = {
     "byte-moe-0.5m": _small_moe(64, 64, vocab=BYTE_VOCAB),
 }
 """Preset name -> ``ModelArgs`` factory taking an optional ``vocab_size``."""
+
+
+def model_args(cfg: ModelConfig, *, vocab_size: int | None = None) -> ModelArgs:
+    """The shapes a run's ``[model]`` section names: the ``init_from`` folder's ``config.json``, else the
+    preset's (``vocab_size`` replacing its own when given)."""
+    if cfg.init_from:
+        return read_hf_args(cfg.init_from)
+    if cfg.preset not in PRESETS:
+        raise UserError(f"Unknown model preset: {cfg.preset!r} (valid: {', '.join(PRESETS)})")
+    return PRESETS[cfg.preset]() if vocab_size is None else PRESETS[cfg.preset](vocab_size)
 
 
 def build_model(

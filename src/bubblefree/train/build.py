@@ -81,8 +81,10 @@ def build_stage(model: nn.Module, config: Config, stage: int) -> StageModule:
     """
     P = config.pipeline.stages
     if getattr(getattr(model, "args", None), "tie_embeddings", False) and P > 1:
-        raise ValueError(f"Invalid model.preset: {config.model.preset!r} ties its embedding and head, which the "
-                         f"distributed runtime refuses for pipeline.stages > 1 (docs/runtime.md)")
+        key, name = ("model.init_from", config.model.init_from) if config.model.init_from else \
+            ("model.preset", config.model.preset)
+        raise ValueError(f"Invalid {key}: {name!r} ties its embedding and head, which the distributed runtime "
+                         f"refuses for pipeline.stages > 1 (docs/runtime.md)")
     return split_model(model, P)[stage]
 
 

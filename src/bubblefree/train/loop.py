@@ -32,6 +32,7 @@ import torch
 
 from bubblefree.config import (
     Config,
+    apply_overrides,
     config_from_dict,
     config_to_dict,
     dump_toml,
@@ -41,7 +42,8 @@ from bubblefree.config import (
 from bubblefree.data import load_tokens
 from bubblefree.errors import FILESYSTEM_ERRNOS, FileSystemFault, TrainingDiverged, UserError, describe_os_error
 from bubblefree.models import build_model
-from bubblefree.models.presets import PRESETS as MODEL_PRESETS
+from bubblefree.models.hf import HFFolder, check_fingerprint, load_hf_model, read_hf_folder
+from bubblefree.models.presets import PRESETS as MODEL_PRESETS, model_args
 from bubblefree.optim.schedule import lr_scale
 from bubblefree.train.checkpoint import (
     newer_checkpoints,
@@ -172,10 +174,10 @@ def check_lengths(config: Config, data: Any = None) -> None:
     """Invalid input the config alone does not show: a sequence longer than the model takes, and (with
     ``data``) a split shorter than one sequence. Found here, before the run folder exists, not at step 1."""
     seq_len = config.train.seq_len
-    longest = MODEL_PRESETS[config.model.preset]().max_seq_len
+    longest = model_args(config.model).max_seq_len
     if seq_len > longest:
-        raise UserError(f"Invalid train.seq_len: {seq_len} (model {config.model.preset} takes at most "
-                        f"{longest} tokens per sequence)")
+        raise UserError(f"Invalid train.seq_len: {seq_len} (model {config.model.init_from or config.model.preset} "
+                        f"takes at most {longest} tokens per sequence)")
     for split in ("train", "val") if data is not None else ():
         n = len(getattr(data, split))
         if n < seq_len + 1:
@@ -184,29 +186,51 @@ def check_lengths(config: Config, data: Any = None) -> None:
                             f"train.seq_len)")
 
 
+def _start_from(config: Config, folder: HFFolder, data: Any) -> tuple[torch.nn.Module, Config]:
+    """The model of a ``model.init_from`` run, holding the folder's weights, and ``config`` recording the
+    folder (absolute), its fingerprint and its vocabulary: what config.toml and checkpoints keep, so that a
+    resume (or an export) finds the same folder or is refused. A fingerprint already recorded (a resume, or one
+    given to pin the folder) must match."""
+    vocab = folder.args.vocab_size
+    if config.model.vocab_size not in (0, vocab):
+        raise UserError(f"Invalid model.vocab_size: {config.model.vocab_size} (model.init_from {folder.path} has "
+                        f"vocab_size = {vocab}; leave model.vocab_size at 0)")
+    if data.vocab_size > vocab:  # pre-tokenized shards: their own vocabulary, which the embedding must hold
+        raise UserError(f"Invalid data.source: {data.source} holds token ids up to {data.vocab_size - 1}, beyond "
+                        f"the vocab_size = {vocab} of model.init_from {folder.path}")
+    sha = check_fingerprint(folder, config.model.init_sha256)
+    pinned = apply_overrides(config, {"model.init_from": str(folder.path), "model.init_sha256": sha,
+                                      "model.vocab_size": vocab})
+    return load_hf_model(folder), pinned
+
+
 def _build(config: Config, out_dir: Path, resume: bool | str | Path, barrier: SetupBarrier | None,
            make_executor: ExecutorFactory, signalled: dict[str, bool], *, branch: bool, data_moved: bool
-           ) -> tuple[Executor, dict[str, Any] | None, dict[str, int], Any, dict[str, Any]]:
+           ) -> tuple[Config, Executor, dict[str, Any] | None, dict[str, int], Any, dict[str, Any]]:
     """Validate, load data, build the model and executor and restore the checkpoint; write nothing.
     Between the stages a signal that has arrived (``signalled``, :func:`_deferred_signals`) stops the setup.
 
     Every process of a distributed run reads the checkpoint file itself (so a multi-node resume needs the run
-    folder on a shared filesystem). Returns ``(executor, checkpoint or None, parameter counts, token data,
-    data record)``, the counts as ``{"params": all trainable, "params_non_embedding": without the vocabulary
-    matrices}``.
+    folder on a shared filesystem). Returns ``(config, executor, checkpoint or None, parameter counts, token
+    data, data record)``: the config with a ``model.init_from`` folder pinned (:func:`_start_from`), the
+    counts as ``{"params": all trainable, "params_non_embedding": without the vocabulary matrices}``.
     """
     failure, ckpt = None, None
     try:
         validate(config)
         if config.log.tensorboard:
             tensorboard_writer()
+        folder = read_hf_folder(config.model.init_from) if config.model.init_from else None
         check_lengths(config)
         _seed_everything(config.train.seed)
         _stop_if_signalled(signalled)
-        data = load_tokens(config.data)
+        data = load_tokens(config.data, tokenizer=folder.tokenizer if folder else None)
         check_lengths(config, data)
         _stop_if_signalled(signalled)
-        model = build_model(config.model.preset, vocab_size=config.model.vocab_size or data.vocab_size)
+        if folder is None:
+            model = build_model(config.model.preset, vocab_size=config.model.vocab_size or data.vocab_size)
+        else:
+            model, config = _start_from(config, folder, data)
         if config.train.compile:
             model.compile_blocks()
         _stop_if_signalled(signalled)
@@ -228,12 +252,14 @@ def _build(config: Config, out_dir: Path, resume: bool | str | Path, barrier: Se
         restore_rng(ckpt["rng"])
     _stop_if_signalled(signalled)
     counts = {"params": model.num_params(), "params_non_embedding": model.num_params(embedding=False)}
-    return executor, ckpt, counts, data, pinned
+    return config, executor, ckpt, counts, data, pinned
 
 
 def _model_name(config: Config, counts: dict[str, int], data: Any) -> str:
     """The banner's model: the preset's name counts its parameters at its own vocabulary, so a run at another
     vocabulary (the smoke preset's 256 bytes) says so beside the count it trains."""
+    if config.model.init_from:
+        return f"{config.model.init_from} ({counts['params'] / 1e6:.2f}M parameters)"
     vocab = config.model.vocab_size or data.vocab_size
     own = MODEL_PRESETS[config.model.preset]().vocab_size
     at = "" if vocab == own else f" at vocabulary {vocab}"
@@ -333,8 +359,8 @@ def _run(config: Config, out_dir: Path, resume: bool | str | Path, barrier: Setu
          data_moved: bool) -> dict[str, Any]:
     cfg = config.train
     try:
-        executor, ckpt, counts, data, pinned = _build(config, out_dir, resume, barrier, make_executor,
-                                                      signalled, branch=branch, data_moved=data_moved)
+        config, executor, ckpt, counts, data, pinned = _build(config, out_dir, resume, barrier, make_executor,
+                                                              signalled, branch=branch, data_moved=data_moved)
     except UserError:
         raise
     except ValueError as e:
@@ -431,7 +457,8 @@ def _run(config: Config, out_dir: Path, resume: bool | str | Path, barrier: Setu
     if not writer:
         return {}
     metrics.close()
-    plot_losses(out_dir / METRICS_FILE, out_dir / PLOT_FILE, title=f"{config.model.preset}, "
+    model_name = Path(config.model.init_from).name or config.model.preset
+    plot_losses(out_dir / METRICS_FILE, out_dir / PLOT_FILE, title=f"{model_name}, "
                 f"{config.optim.name}, {config.pipeline.schedule}, {config.delay.correction}")
     trained = cfg.steps - start
     summary = {"steps": cfg.steps, "tokens": cfg.steps * tokens_per_step, "final_val_loss": val_loss,

@@ -41,7 +41,8 @@ from torch import Tensor
 
 from bubblefree.config import Config
 from bubblefree.delay import correction_buffers
-from bubblefree.models import build_model, token_loss
+from bubblefree.models import Transformer, token_loss
+from bubblefree.models.presets import model_args
 from bubblefree.models.split import StageModule, param_stages, split_model
 from bubblefree.optim.registry import is_hidden_matrix, state_numel
 from bubblefree.schedules.ir import SIMULATED_SCHEDULES, build_schedule
@@ -147,12 +148,13 @@ def plan_memory(config: Config, *, replicas: int = 1, schedules: Sequence[str] =
                 costs: Costs = Costs(), steps: int = 8) -> list[dict[str, Any]]:
     """Per schedule: ``{"schedule", "step_time", "idle_fraction", "stages": [StageMemory per rank]}``.
 
-    From ``config``: ``model.preset`` (at ``model.vocab_size``, or the preset's own vocabulary when 0),
-    ``optim.name`` (and SOAP's ``optim.max_precond_dim``), ``delay.correction`` (and ``taylor_adaptive``),
-    ``train.batch_size`` / ``pipeline.microbatches`` (sequences per microbatch), ``train.seq_len``,
-    ``train.dtype`` (``auto`` plans float32) and ``pipeline.stages``. ``replicas`` data-parallel copies split
-    the step's ``M`` microbatches. ``step_time`` is one optimizer step in units of ``costs`` (a forward of one
-    microbatch through one stage costs ``costs.forward``), averaged over ``steps`` steps, fill and drain included.
+    From ``config``: ``model.preset`` (at ``model.vocab_size``, or the preset's own vocabulary when 0) or the
+    ``model.init_from`` folder's shapes, ``optim.name`` (and SOAP's ``optim.max_precond_dim``),
+    ``delay.correction`` (and ``taylor_adaptive``), ``train.batch_size`` / ``pipeline.microbatches`` (sequences
+    per microbatch), ``train.seq_len``, ``train.dtype`` (``auto`` plans float32) and ``pipeline.stages``.
+    ``replicas`` data-parallel copies split the step's ``M`` microbatches. ``step_time`` is one optimizer step in
+    units of ``costs`` (a forward of one microbatch through one stage costs ``costs.forward``), averaged over
+    ``steps`` steps, fill and drain included.
     """
     pipe, train = config.pipeline, config.train
     P, M = pipe.stages, pipe.microbatches
@@ -160,7 +162,7 @@ def plan_memory(config: Config, *, replicas: int = 1, schedules: Sequence[str] =
         raise ValueError(f"Invalid replicas: {replicas} (must divide pipeline.microbatches = {M})")
     local_m = M // replicas
     dtype = torch.bfloat16 if train.dtype == "bfloat16" else torch.float32
-    model = build_model(config.model.preset, vocab_size=config.model.vocab_size or None, device="meta")
+    model = Transformer(model_args(config.model, vocab_size=config.model.vocab_size or None), device="meta")
     shapes = {name: (tuple(p.shape), is_hidden_matrix(name, p)) for name, p in model.named_parameters()}
     precond = config.optim.max_precond_dim if config.optim.max_precond_dim > 0 else 10000  # SOAP's default
     cache: dict[tuple[int, int], dict[str, int]] = {}
