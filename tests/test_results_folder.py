@@ -39,10 +39,12 @@ def test_docs_tables_are_rebuilt_from_the_results_json(tmp_path, monkeypatch):
     (docs / "training.md").write_text("<!-- config-reference:begin -->\n<!-- config-reference:end -->\n")
     (docs / "optimizers.md").write_text("<!-- optimizer-defaults:begin -->\n<!-- optimizer-defaults:end -->\n")
     part = "results:smoke/error-feedback"
-    (docs / "results.md").write_text(f"Before.\n\n<!-- {part}:begin -->\nstale\n<!-- {part}:end -->\n\nAfter.\n")
+    findings = "<!-- findings:begin -->\n<!-- findings:end -->\n"
+    (docs / "results.md").write_text(f"{findings}Before.\n\n<!-- {part}:begin -->\nstale\n<!-- {part}:end -->\n\n"
+                                     f"After.\n")
     new = generate(docs, tmp_path / "results")[docs / "results.md"]
-    assert new == (f"Before.\n\n<!-- {part}:begin -->\n{tables(out, 'error-feedback', heading='####')}"
-                   f"<!-- {part}:end -->\n\nAfter.\n")
+    assert new.endswith(f"Before.\n\n<!-- {part}:begin -->\n{tables(out, 'error-feedback', heading='####')}"
+                        f"<!-- {part}:end -->\n\nAfter.\n")
 
     from bubblefree.docs import stale_results
 
@@ -95,7 +97,8 @@ def test_an_interrupted_suite_is_tabulated_from_the_runs_it_finished(tmp_path, m
     docs.mkdir()
     (docs / "training.md").write_text("<!-- config-reference:begin -->\n<!-- config-reference:end -->\n")
     (docs / "optimizers.md").write_text("<!-- optimizer-defaults:begin -->\n<!-- optimizer-defaults:end -->\n")
-    (docs / "results.md").write_text("<!-- results:smoke/horizon:begin -->\n<!-- results:smoke/horizon:end -->\n")
+    (docs / "results.md").write_text("<!-- findings:begin -->\n<!-- findings:end -->\n"
+                                     "<!-- results:smoke/horizon:begin -->\n<!-- results:smoke/horizon:end -->\n")
     assert tables(out, "horizon", heading="####", partial=True) in generate(docs, tmp_path / "results")[
         docs / "results.md"]
 
@@ -265,19 +268,20 @@ def test_dry_run_counts_the_runs_reproduce_then_runs_and_times_them_by_their_sha
 
 
 def test_a_figure_with_its_interval_written_by_hand_must_be_in_a_table(tmp_path):
-    """``docs --check``'s prose check: an interval quoted in README.md or docs/ is found in a results table
-    (line breaks aside), and one the tables do not hold (a typo, a table re-run since) is named; code blocks and
-    generated parts are not prose."""
+    """``docs --check``'s prose check: an interval quoted in a doc's prose is found in a results table (line
+    breaks aside), and one the tables do not hold (a typo, a table re-run since) is named; code blocks and
+    generated parts are not prose. (README.md and docs/results.md quote only cells: tests/test_findings.py.)"""
     from bubblefree.docs import unbacked_intervals
 
     (tmp_path / "results" / "long").mkdir(parents=True)
     (tmp_path / "results" / "long" / "steps.md").write_text(
         "| muon | 0.063 [0.050, 0.075] | 53 % [48 %, 57 %] |\n")
     (tmp_path / "docs").mkdir()
-    (tmp_path / "README.md").write_text("the delay costs 0.063 [0.050,\n0.075] and EF recovers 53 % [48 %,\n"
-                                        "  57 %] of it.\n")
+    (tmp_path / "docs" / "delay.md").write_text("the delay costs 0.063 [0.050,\n0.075] and EF recovers 53 % "
+                                                "[48 %,\n  57 %] of it.\n")
     assert unbacked_intervals(tmp_path) == []
-    (tmp_path / "docs" / "results.md").write_text(
+    (tmp_path / "docs" / "schedules.md").write_text(
         "A gap of 0.063 [0.050, 0.076] here.\n```\nx = 1 [2, 3]\n```\n"
         "<!-- results:long/steps:begin -->\n0.5 [0.1, 0.9]\n<!-- results:long/steps:end -->\n")
-    assert unbacked_intervals(tmp_path) == ["not in any table under results/: 0.063 [0.050, 0.076] (docs/results.md)"]
+    assert unbacked_intervals(tmp_path) == [
+        "not in any table under results/: 0.063 [0.050, 0.076] (docs/schedules.md)"]

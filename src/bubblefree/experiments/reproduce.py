@@ -45,7 +45,7 @@ from bubblefree.optim import OPTIMIZERS
 from bubblefree.train.folders import check_ours, hold
 from bubblefree.train.loop import check_lengths
 
-__all__ = ["default_jobs", "dry_run", "report", "reproduce", "suite_tables", "tables",
+__all__ = ["Recorded", "default_jobs", "dry_run", "recorded", "report", "reproduce", "suite_tables", "tables",
            "with_base_overrides"]
 
 Rows = list[dict[str, Any]]
@@ -360,8 +360,8 @@ def suite_tables(spec, scale, sweep_rows: Rows, rows: Rows, *, heading: str = "#
         _definitions("test" if tuned else "validation"), ""])
 
 
-class _Recorded(NamedTuple):
-    """A suite as its results folder records it (:func:`_rebuild`)."""
+class Recorded(NamedTuple):
+    """A suite as its results folder records it (:func:`recorded`)."""
 
     spec: Suite
     scale: Scale
@@ -375,7 +375,7 @@ class _Recorded(NamedTuple):
     """Empty for a finished suite, else a line counting the runs still to come."""
 
 
-def _rebuild(folder: Path, suite: str, *, partial: bool) -> _Recorded:
+def recorded(folder: Path, suite: str, *, partial: bool) -> Recorded:
     """Everything the tables and plots of ``suite`` need, read from ``<folder>/<suite>.json`` and the runs' JSON
     (``partial``: a suite still under way, whose missing runs are left out and counted)."""
     try:
@@ -403,7 +403,7 @@ def _rebuild(folder: Path, suite: str, *, partial: bool) -> _Recorded:
     progress = (f"\n*In progress: {len(planned) - len(missing)} of {len(planned)} runs finished; "
                 f"`bubblefree reproduce {suite} --scale {sc.name} --optimizers {','.join(optimizers)}` with this "
                 f"results folder as `--out` continues it (finished runs are skipped).*\n") if missing else ""
-    return _Recorded(spec=spec, scale=sc, changed=config_diff(scale.base, sc.base), sweep=sweep_rows, lrs=lrs,
+    return Recorded(spec=spec, scale=sc, changed=config_diff(scale.base, sc.base), sweep=sweep_rows, lrs=lrs,
                      rows=rows, knobs=knob_rows, progress=progress)
 
 
@@ -414,7 +414,7 @@ def tables(folder: str | Path, suite: str, *, heading: str = "##", partial: bool
     found the way :func:`reproduce` finds them. A missing run is a UserError naming it, or with ``partial``
     (a suite still under way) a ``-`` in the table and a closing line that counts the runs still to come.
     """
-    got = _rebuild(Path(folder), suite, partial=partial)
+    got = recorded(Path(folder), suite, partial=partial)
     return suite_tables(got.spec, got.scale, got.sweep, got.rows + got.knobs, heading=heading) + got.progress
 
 
@@ -423,7 +423,7 @@ def report(folder: str | Path, suite: str, *, command: str = "") -> dict[str, An
     picture of a suite under way (``bubblefree reproduce SUITE --report``). Returns what :func:`reproduce`
     returns."""
     folder = Path(folder)
-    got = _rebuild(folder, suite, partial=True)
+    got = recorded(folder, suite, partial=True)
     plots = draw(got.rows, got.spec.plots, folder, title=f"{got.spec.title}, scale {got.scale.name}")
     table = folder / f"{suite}.md"
     table.write_text(_markdown(got.spec, got.scale, got.sweep, got.rows + got.knobs, plots, None,
