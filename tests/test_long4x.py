@@ -63,7 +63,7 @@ def test_momentum_cells_at_the_default_momentum_are_the_error_feedback_runs():
 
 
 def test_a_suite_without_a_tuned_form_is_one_line_at_a_tuned_scale(tmp_path):
-    got = subprocess.run([sys.executable, "-m", "bubblefree", "reproduce", "mitigations", "--scale", "smoke4x",
+    got = subprocess.run([sys.executable, "-m", "bubblefree", "reproduce", "sensitivity", "--scale", "smoke4x",
                           "--out", str(tmp_path / "r"), "--dry-run"], capture_output=True, text=True)
     assert got.returncode == 2 and "Traceback" not in got.stderr
     assert got.stderr.strip().count("\n") == 0 and "no tuned form" in got.stderr

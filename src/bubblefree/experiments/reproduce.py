@@ -201,7 +201,7 @@ def _run_suite(suite: str, spec: Suite, sc: Scale, chosen: tuple[str, ...], chan
     elapsed = time.perf_counter() - tic
 
     title = f"{spec.title}, scale {sc.name}"
-    plots = draw(rows, spec.plots, out, title=title)
+    plots = draw(rows, spec.plots_at(sc), out, title=title)
     table_path = out / f"{suite}.md"
     command = command or f"reproduce({suite!r}, scale={sc.name!r})"
     table_path.write_text(_markdown(spec, sc, sweep_rows, rows + knob_rows, plots, elapsed, command, changed),
@@ -424,7 +424,7 @@ def report(folder: str | Path, suite: str, *, command: str = "") -> dict[str, An
     returns."""
     folder = Path(folder)
     got = recorded(folder, suite, partial=True)
-    plots = draw(got.rows, got.spec.plots, folder, title=f"{got.spec.title}, scale {got.scale.name}")
+    plots = draw(got.rows, got.spec.plots_at(got.scale), folder, title=f"{got.spec.title}, scale {got.scale.name}")
     table = folder / f"{suite}.md"
     table.write_text(_markdown(got.spec, got.scale, got.sweep, got.rows + got.knobs, plots, None,
                                command or f"report({str(folder)!r}, {suite!r})", got.changed, got.progress),

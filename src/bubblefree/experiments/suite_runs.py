@@ -109,6 +109,16 @@ def mitigation_runs(scale: Scale, lrs: dict[str, float]) -> list[Run]:
             out += knob_runs(scale, opt, lr, knob, knob.default, "default", seeds=True)
     return out
 
+def mitigation_cells(scale: Scale) -> list[Cell]:
+    """The tuned form: sync, async, and every method at its untuned default setting, each arm on its own rate
+    sweep. The methods' own settings are not swept here (a grid of them per rate would multiply every arm's
+    sweep); the untuned suite sweeps them at the synchronous rate."""
+    return [Cell(variant="sync", x=1.0, overrides=SYNC, seeds=scale.verdict_seeds),
+            Cell(variant="async", x=1.0, overrides=ASYNC),
+            *(Cell(variant=knob.method, x=1.0, overrides=knob.overrides(scale, knob.default))
+              for knob in mitigation_knobs())]
+
+
 AJANTHAN = "Ajanthan et al. (NAdamW, beta1 0.99)"
 """Ajanthan et al. 2025 (arXiv 2505.01099) as their code runs it: NAdamW with beta1 0.99 on the stale gradients
 of weight stashing, and no correction (its look-ahead is NAdam's own)."""

@@ -39,6 +39,7 @@ from bubblefree.experiments.suite_runs import (
     authors_arms,
     horizon_cells,
     horizon_runs,
+    mitigation_cells,
     mitigation_knobs,
     mitigation_runs,
     moe_overrides,
@@ -102,6 +103,13 @@ class Suite:
     shares: dict[str, str] = dataclasses.field(default_factory=lambda: {"ef": "async"})
     """In the tuned form's table: each corrected arm and the delayed arm whose gap it recovers."""
 
+    def plots_at(self, scale: Scale) -> tuple[tuple[str, str], ...]:
+        """The plots drawn at ``scale``: in a suite's tuned form only the loss curves, which read the reported
+        runs alone (the other kinds read the untuned form's tags)."""
+        if self.runs is not None and scale.tuned:
+            return tuple(p for p in self.plots if p[1] == "curves")
+        return self.plots
+
     def tabulate(self, scale: Scale, rows: Rows) -> str:
         """The suite's table at ``scale``: its own, or in its tuned form every arm against sync."""
         if self.runs is not None and scale.tuned:
@@ -133,7 +141,8 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
     Suite(name="mitigations", title="Mitigations of the one-step delay", optimizers=("adamw", "muon"),
           runs=mitigation_runs, table=mitigations_table,
           plots=(("mitigations-curves", "curves"), ("mitigations-recovered", "recovered")),
-          knobs=mitigation_knobs(), arms=authors_arms),
+          knobs=mitigation_knobs(), arms=authors_arms, cells=mitigation_cells,
+          shares={k.method: "async" for k in mitigation_knobs()}),
     Suite(name="schedules", title="PipeDream vs 2BW vs WPipe against pipeline depth", optimizers=("adamw", "muon"),
           runs=schedule_runs, table=schedules_table, plots=(("schedules-gap", "gap"),), cells=schedule_cells,
           shares={"2bw + EF": "2bw", "pipedream + EF": "pipedream"}),
