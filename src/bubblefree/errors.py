@@ -3,23 +3,46 @@
 The CLI turns a ``UserError`` (and a ``ValueError`` raised while a run is being set up, which is how the
 library reports invalid arguments) into one line on stderr and exit code 2, a ``TrainingDiverged`` into one
 line and exit code 3, a ``FileSystemFault`` (and an ``OSError`` of a file operation the user can cause: a
-read-only folder, a full disk, a name too long) into one line and exit code 4; anything else is a bug (exit
-1, with its traceback).
+read-only folder, a full disk, a name too long) into one line naming the file and what to do, and exit code 4;
+anything else is a bug (exit 1, with its traceback).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import io
+import os
 import sys
 import traceback
+from collections.abc import Iterator
 
 __all__ = ["FILESYSTEM_ERRNOS", "FileSystemFault", "TrainingDiverged", "UserError", "describe_os_error",
-           "exit_code"]
+           "exit_code", "naming"]
 
-FILESYSTEM_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EFBIG,
-                               errno.ENAMETOOLONG, errno.ENOTDIR, errno.EISDIR, errno.ELOOP, errno.EMLINK})
+_WHAT_TO_DO = {
+    errno.EACCES: "this user may not use it: give the user access, or choose another place",
+    errno.EPERM: "the system does not permit it: give this user access, or choose another place",
+    errno.EROFS: "its filesystem is read-only: remount it writable, or choose a place on another filesystem",
+    errno.ENOSPC: "its filesystem is full: free space there (df -h shows how much is left), or choose a place on "
+                  "another filesystem",
+    errno.EDQUOT: "your disk quota there is used up: free space within it, or choose a place elsewhere",
+    errno.EFBIG: "the file reached the largest size this process may write (ulimit -f) or its filesystem holds: "
+                 "raise the limit, or choose a place on another filesystem",
+    errno.ENAMETOOLONG: "a name in the path is longer than its filesystem allows: choose a shorter one",
+    errno.ENOTDIR: "a part of the path is a file, not a folder: choose another path",
+    errno.EISDIR: "it is a folder where a file is needed: choose another path",
+    errno.ELOOP: "the path runs through too many symbolic links: resolve them, or choose another path",
+    errno.EMLINK: "its folder holds as many entries as its filesystem allows: choose another folder",
+    errno.EIO: "the disk or the network filesystem failed to read or write it: check the device (dmesg shows "
+               "its errors), or choose a place on another filesystem",
+}
+"""What the user can do about each of :data:`FILESYSTEM_ERRNOS`, said after the error."""
+
+FILESYSTEM_ERRNOS = frozenset(_WHAT_TO_DO)
 """The errors of file operations that the user's machine causes, not the code: permissions, a read-only or
-full filesystem, a quota, a name too long, a path through a file. Reported in one line, exit code 4."""
+full filesystem, a quota, a file size limit, a name too long, a path through a file, a failing disk. Reported
+in one line naming the file and what to do, exit code 4."""
 
 
 class UserError(ValueError):
@@ -36,9 +59,43 @@ class FileSystemFault(RuntimeError):
 
 
 def describe_os_error(e: OSError) -> str:
-    """``PATH: reason`` of an OSError, e.g. ``runs/a/checkpoints: Read-only file system``."""
-    where = e.filename if e.filename is not None else "a file"
-    return f"{where}: {e.strerror or e}"
+    """``PATH: reason (what to do)`` of an OSError, e.g. ``runs/a/checkpoints: Read-only file system (its
+    filesystem is read-only: remount it writable, or choose a place on another filesystem)``."""
+    where = _path_of(e) or "a file the system did not name"
+    advice = f" ({_WHAT_TO_DO[e.errno]})" if e.errno in _WHAT_TO_DO else ""
+    return f"{where}: {e.strerror or e}{advice}"
+
+
+def _path_of(e: OSError) -> str | None:
+    """The file ``e`` is about: its ``filename``; else, since a failed ``write()`` or ``flush()`` names none (the
+    system call has only a file descriptor), the open file that the innermost frame of its traceback holding one
+    was writing: a local of that frame (``Path.write_text``'s, ``open()``'s) or an attribute of its ``self`` (a
+    writer keeping its file open). None when no frame holds a named file."""
+    if e.filename is not None:
+        return os.fsdecode(e.filename) if isinstance(e.filename, (str, bytes, os.PathLike)) else str(e.filename)
+    frames, tb = [], e.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    for frame in reversed(frames):
+        owner = frame.f_locals.get("self")
+        held = [*frame.f_locals.values(), *(vars(owner).values() if hasattr(owner, "__dict__") else ())]
+        named = [f.name for f in held if isinstance(f, io.IOBase) and isinstance(getattr(f, "name", None), str)]
+        if named:
+            return named[0]
+    return None
+
+
+@contextlib.contextmanager
+def naming(path: str | os.PathLike) -> Iterator[None]:
+    """Give an OSError raised in the block ``path`` as its file when it names none (a failed ``write()``,
+    ``flush()`` or ``fsync()`` on a descriptor), so that its one line says which file (:func:`describe_os_error`)."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None:
+            e.filename = os.fspath(path)
+        raise
 
 
 def exit_code(e: BaseException) -> int:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bubblefree.errors import UserError
+from bubblefree.errors import UserError, naming
 
 __all__ = ["atomic_write", "content_key", "load_stream", "resolve_cache_dir", "save_stream", "stream_dtype"]
 
@@ -49,7 +49,7 @@ def atomic_write(path: Path, data: bytes) -> None:
     # os.open with 0o666 honours the umask, as a plain open() would (mkstemp would force 0o600).
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
-        with os.fdopen(fd, "wb") as f:
+        with naming(tmp), os.fdopen(fd, "wb") as f:  # a failed write names no file: it is the temporary one
             f.write(data)
             f.flush()
             os.fsync(f.fileno())

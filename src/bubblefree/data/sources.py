@@ -8,7 +8,9 @@ Each source becomes a :class:`TextCorpus`, two lists of documents. The split rul
 * a single text file: the last 10 % of its characters, starting at a line boundary, is validation.
 * ``hf:NAME[:split]`` / ``hf:/local/path[:split]``: a ``DatasetDict`` without ``:split`` trains on ``train``
   and validates on the first of ``validation``, ``val``, ``test``; a single split holds out its last 10 %
-  of rows (at least one). Documents are the ``text`` column.
+  of rows (at least one). Documents are the ``text`` column. A hub that does not answer within
+  :data:`HUB_TIMEOUT_S` is not retried (``datasets`` would retry for 26 s): the dataset is read from the local
+  cache, or refused in one line saying how to set the hub offline.
 
 Pre-tokenized ``.bin`` shards are not text; :mod:`bubblefree.data.shards` reads them.
 """
@@ -20,6 +22,7 @@ import json
 import lzma
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from bubblefree.errors import UserError
 
@@ -30,6 +33,10 @@ CORPUS_DIR = Path(__file__).parent / "corpus"
 
 VAL_FRACTION = 0.1
 """Share of a single text file (or a single dataset split) held out for validation."""
+
+HUB_TIMEOUT_S = 5.0
+"""How long the one request that checks the Hugging Face hub waits for an answer before the hub counts as
+unreachable (an answering hub takes well under a second; a blocked network never answers)."""
 
 
 @dataclass(frozen=True)
@@ -128,7 +135,7 @@ def load_hf(spec: str) -> TextCorpus:
                     raise UserError(f"Dataset {name} has no split {split!r}; it has {sorted(ds)}")
                 ds = ds[split]
         else:
-            ds = datasets.load_dataset(name, split=split)
+            ds = _load_from_hub(datasets, name, split, spec)
     except UserError:
         raise
     except Exception as e:  # datasets raises many types (network, missing files, bad names)
@@ -146,6 +153,51 @@ def load_hf(spec: str) -> TextCorpus:
         raise UserError(f"Dataset {spec!r} has {len(docs)} row(s); at least 2 are needed to hold out validation")
     n_val = max(1, int(len(docs) * VAL_FRACTION))
     return TextCorpus(train=docs[:-n_val], val=docs[-n_val:], source=spec)
+
+
+def _hub_unreachable(endpoint: str) -> str | None:
+    """None when the hub at ``endpoint`` answers one HTTP request within :data:`HUB_TIMEOUT_S` (any status: it
+    is there), else why not. The proxies of the environment apply, as they do to the hub's own client."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=HUB_TIMEOUT_S).close()
+    except urllib.error.HTTPError:
+        return None
+    except (urllib.error.URLError, OSError, ValueError) as e:  # no route, no name, a timeout, a bad endpoint
+        return str(getattr(e, "reason", None) or e)
+    return None
+
+
+def _load_from_hub(datasets: Any, name: str, split: str | None, spec: str) -> Any:
+    """``datasets.load_dataset(name, split=split)``, after checking once that the hub answers; an unreachable
+    hub (or ``HF_HUB_OFFLINE=1``) reads the local cache only, and a dataset not there is a UserError in one line
+    saying so, with what to do."""
+    from huggingface_hub import constants
+
+    offline = bool(constants.HF_HUB_OFFLINE or datasets.config.HF_HUB_OFFLINE)
+    why = None if offline else _hub_unreachable(constants.ENDPOINT)
+    if not offline and why is None:
+        return datasets.load_dataset(name, split=split)
+    # Both libraries read their offline flag at each call: set it for this load alone, as HF_HUB_OFFLINE=1 would.
+    saved = constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE
+    constants.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = True
+    try:
+        return datasets.load_dataset(name, split=split)
+    except Exception as e:  # not in the cache: datasets says so with a ConnectionError or a FileNotFoundError
+        if why is not None:
+            state = f"the Hugging Face hub ({constants.ENDPOINT}) is unreachable ({why})"
+            todo = ("download it once where the hub answers, or save it there with datasets' save_to_disk and "
+                    "give data.source = hf:FOLDER; set HF_HUB_OFFLINE=1 to read the cache without asking the hub")
+        else:
+            state = "the hub is set offline (HF_HUB_OFFLINE=1)"
+            todo = "unset HF_HUB_OFFLINE where the hub answers to download it, or give data.source = hf:FOLDER"
+        raise UserError(f"Cannot load dataset {spec!r}: {state}, and the local cache "
+                        f"({datasets.config.HF_DATASETS_CACHE}) could not provide it ({type(e).__name__}: {e}); "
+                        f"{todo}") from e
+    finally:
+        constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE = saved
 
 
 def _parse_hf(rest: str) -> tuple[str, str | None]:

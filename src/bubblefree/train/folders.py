@@ -99,6 +99,14 @@ def hold(folder: str | Path, *, what: str, shared: bool = False, create: bool = 
         os.close(fd)  # releases the lock
 
 
+_OUTPUTS = (*((name, "a bubblefree training run") for name in ("config.toml", "metrics.jsonl", "checkpoints")),
+            ("runs", "the results of bubblefree reproduce"),
+            ("simulate.json", "the output of bubblefree simulate"), ("plan.json", "the output of bubblefree plan"),
+            ("bubblefree.toml", "a model written by bubblefree export"))
+"""The files that mark each kind of folder a bubblefree command writes, and what to call the folder: a folder
+without any of them holds no bubblefree output."""
+
+
 def check_ours(folder: Path, *, what: str, ours: Iterable[str] = (), marker: str | None = None) -> None:
     """Refuse ``folder`` when it exists and holds anything bubblefree did not write: names outside ``ours``,
     unless it holds ``marker`` (the file that makes it a folder of the command's own, e.g. ``simulate.json``)."""
@@ -111,5 +119,8 @@ def check_ours(folder: Path, *, what: str, ours: Iterable[str] = (), marker: str
     foreign = sorted(p.name for p in folder.iterdir() if p.name not in {*ours, LOCK_FILE})
     if foreign:
         listed = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
-        raise UserError(f"Invalid {what}: {folder} is not empty and holds no bubblefree output ({listed}); "
-                        f"nothing is written into it: choose a new or empty folder")
+        kind = next((kind for name, kind in _OUTPUTS if name in foreign), None)
+        holds = (f"holds {kind} ({listed}), not output of this command" if kind else
+                 f"is not empty and holds no bubblefree output ({listed})")
+        raise UserError(f"Invalid {what}: {folder} {holds}; nothing is written into it: choose a new or empty "
+                        f"folder")
