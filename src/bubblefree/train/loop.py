@@ -40,11 +40,14 @@ from bubblefree.config import (
     validate,
 )
 from bubblefree.data import load_tokens
+from bubblefree.data.tokenizer import OpaqueTokenizer
 from bubblefree.errors import FILESYSTEM_ERRNOS, FileSystemFault, TrainingDiverged, UserError, describe_os_error
 from bubblefree.models import build_model
 from bubblefree.models.hf import HFFolder, check_fingerprint, load_hf_model, read_hf_folder
 from bubblefree.models.presets import PRESETS as MODEL_PRESETS, model_args
 from bubblefree.optim.schedule import lr_scale
+from bubblefree.schedules import n_partitions
+from bubblefree.train.build import resolve_device
 from bubblefree.train.checkpoint import (
     newer_checkpoints,
     restore_rng,
@@ -53,6 +56,7 @@ from bubblefree.train.checkpoint import (
 )
 from bubblefree.train.executor import Executor
 from bubblefree.train.folders import hold
+from bubblefree.train.memory import check_memory
 from bubblefree.train.metrics import METRICS_FILE, MetricsWriter, plot_losses, progress_bar, tensorboard_writer
 from bubblefree.train.resume import (
     CONFIG_FILE,
@@ -171,13 +175,31 @@ def _is_main_thread() -> bool:
 
 
 def check_lengths(config: Config, data: Any = None) -> None:
-    """Invalid input the config alone does not show: a sequence longer than the model takes, and (with
-    ``data``) a split shorter than one sequence. Found here, before the run folder exists, not at step 1."""
-    seq_len = config.train.seq_len
+    """Invalid input the config alone does not show, found here before the run folder exists, not at step 1 (the
+    ``limit`` of a key's range, docs/reliability.md): a sequence longer than the model takes, more pipeline
+    stages than the model has layers, more threads than cores, a run whose memory floor exceeds its device
+    (``train.memory.check_memory``: without ``data`` a cheap floor, at the smallest vocabulary the config allows
+    and with a lower count of the activations, so that an absurd size is refused before the data is read; with
+    ``data`` the whole floor at the data's vocabulary), and (with ``data``) a split shorter than one sequence."""
+    seq_len, model_name = config.train.seq_len, config.model.init_from or config.model.preset
     longest = model_args(config.model).max_seq_len
     if seq_len > longest:
-        raise UserError(f"Invalid train.seq_len: {seq_len} (model {config.model.init_from or config.model.preset} "
-                        f"takes at most {longest} tokens per sequence)")
+        raise UserError(f"Invalid train.seq_len: {seq_len} (model {model_name} takes at most {longest} tokens per "
+                        f"sequence)")
+    P, schedule = config.pipeline.stages, config.pipeline.schedule
+    layers = model_args(config.model).n_layers
+    per_stage = n_partitions(schedule, 1)  # model partitions per stage: 2 for wpipe
+    if per_stage * P > layers:
+        cut = "" if per_stage == 1 else f" and {schedule} cuts it into {per_stage} partitions per stage"
+        raise UserError(f"Invalid pipeline.stages: {P} (must be in [1, {layers // per_stage}]: model {model_name} "
+                        f"has {layers} layers{cut}, each partition at least one layer)")
+    _check_threads(config)
+    vocab = config.model.vocab_size or (data.vocab_size if data is not None else 1)
+    vocab_key = ("model.vocab_size" if config.model.vocab_size else "model.init_from" if config.model.init_from
+                 else "data.source" if isinstance(getattr(data, "tokenizer", None), OpaqueTokenizer)
+                 else "data.vocab_size" if config.data.tokenizer == "bpe" else "data.tokenizer")
+    check_memory(config, model_args(config.model, vocab_size=vocab), resolve_device(config.train.device),
+                 vocab_key=vocab_key, activations=data is not None)
     for split in ("train", "val") if data is not None else ():
         n = len(getattr(data, split))
         if n < seq_len + 1:
@@ -202,6 +224,13 @@ def _start_from(config: Config, folder: HFFolder, data: Any) -> tuple[torch.nn.M
     pinned = apply_overrides(config, {"model.init_from": str(folder.path), "model.init_sha256": sha,
                                       "model.vocab_size": vocab})
     return load_hf_model(folder), pinned
+
+
+def _check_threads(config: Config) -> None:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if config.train.threads > cores:
+        raise UserError(f"Invalid train.threads: {config.train.threads} (must be in [0, {cores}]: this process may "
+                        f"use {cores} cores, and more threads only take turns on them; 0 takes torch's default)")
 
 
 def _build(config: Config, out_dir: Path, resume: bool | str | Path, barrier: SetupBarrier | None,
@@ -329,6 +358,7 @@ def train(config: Config, *, out_dir: str | Path, resume: bool | str | Path = Fa
     out_dir = Path(out_dir)
     threads = torch.get_num_threads()
     if config.train.threads:
+        _check_threads(config)  # before torch takes it: a count past the cores is a refusal, not an overflow
         torch.set_num_threads(config.train.threads)
     try:
         with contextlib.ExitStack() as held:

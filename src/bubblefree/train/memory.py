@@ -31,8 +31,10 @@ runs ``M / R`` microbatches per step; nothing is sharded across replicas, so a s
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -41,14 +43,18 @@ from torch import Tensor
 
 from bubblefree.config import Config
 from bubblefree.delay import correction_buffers
+from bubblefree.errors import UserError
 from bubblefree.models import Transformer, token_loss
+from bubblefree.models.llama import ModelArgs
 from bubblefree.models.presets import model_args
 from bubblefree.models.split import StageModule, param_stages, split_model
 from bubblefree.optim.registry import is_hidden_matrix, state_numel
+from bubblefree.schedules import n_partitions, stage_delays
 from bubblefree.schedules.ir import SIMULATED_SCHEDULES, build_schedule
 from bubblefree.schedules.timeline import Costs, simulate
 
-__all__ = ["PARTS", "VERSIONED", "StageMemory", "activation_bytes", "format_plan", "plan_memory"]
+__all__ = ["PARTS", "VERSIONED", "StageMemory", "activation_bytes", "check_memory", "device_memory", "format_plan",
+           "memory_floor", "plan_memory"]
 
 VERSIONED = ("2bw", "pipedream")
 """Schedules whose steps the distributed runtime computes on weight versions of their own, each collecting its
@@ -222,7 +228,7 @@ def plan_memory(config: Config, *, replicas: int = 1, schedules: Sequence[str] =
 
 
 def _size(n: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    for unit, scale in (("PiB", 2**50), ("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= scale:
             return f"{n / scale:.1f} {unit}" if n < 100 * scale else f"{n / scale:.0f} {unit}"
     return f"{n} B"
@@ -251,3 +257,126 @@ def format_plan(rows: list[dict[str, Any]]) -> str:
             out.append("  ".join(f"{c:<{w}}" if i in (0, 3) else f"{c:>{w}}" for i, (c, w) in
                                  enumerate(zip(line, widths))))
     return "\n".join(out)
+
+
+# ----------------------------------------------------------------------- the floor a run checks at its start
+
+def memory_floor(config: Config, args: ModelArgs, *, activations: bool = True) -> dict[str, int]:
+    """Bytes a training run of ``config`` on a model of shape ``args`` holds at once on one device, at least, by
+    part; counted on the meta device, so nothing is allocated (``train.loop.check_lengths`` refuses a run whose
+    floor exceeds its device, before anything is written):
+
+    * ``model``: weights, gradients, optimizer state, stashed weight versions and correction buffers, float32
+      (as :func:`plan_memory` counts them): the whole model in the simulation, the largest stage in the
+      distributed runtime (one process per stage); ``optimizer``: the optimizer state's share of it;
+    * ``batch``: what one microbatch (``train.batch_size / pipeline.microbatches`` sequences) keeps for its
+      backward, and its token windows (int64);
+    * ``evaluation``: the token windows of one evaluation, ``train.eval_batches x train.batch_size`` sequences,
+      all held at once (``train.build.validation_batches``).
+
+    The run holds ``model`` and the larger of the other two. A floor, not a plan: the activations are the
+    growth per sequence, ``activation_bytes`` at two sequences less at one (the part that does not grow with
+    the batch, and everything a schedule keeps in flight beyond one microbatch, left out), at half their
+    float32 bytes where the forward runs in bfloat16 (every saved element takes at least two bytes).
+    ``activations=False`` counts only each block's input and the logits instead (a test checks that this is
+    below the measured bytes): a cheaper floor, without the meta forwards through the model (a second each for
+    a 32-layer model on a busy CPU).
+    """
+    pipe, train = config.pipeline, config.train
+    model = Transformer(args, device="meta")
+    parts = n_partitions(pipe.schedule, pipe.stages)
+    placed, delays = param_stages(model, parts), stage_delays(pipe.schedule, pipe.stages)
+    precond = config.optim.max_precond_dim if config.optim.max_precond_dim > 0 else 10000  # SOAP's default
+    state, optimizer = [0] * pipe.stages, [0] * pipe.stages  # float32 elements per device: all, optimizer's
+    for name, p in model.named_parameters():
+        part = placed[name]
+        d = delays[part]
+        buffers = correction_buffers(config.delay.correction, d, taylor_adaptive=config.delay.taylor_adaptive)
+        optim = state_numel(config.optim.name, tuple(p.shape), matrix=is_hidden_matrix(name, p),
+                            max_precond_dim=precond)
+        state[part % pipe.stages] += p.numel() * (2 + d + buffers) + optim
+        optimizer[part % pipe.stages] += optim
+    half = train.dtype == "bfloat16" or (train.dtype == "auto" and config.train.device != "cpu"
+                                         and torch.cuda.is_available())
+    per_seq = train.batch_size // pipe.microbatches
+    windows = 8 * (train.seq_len + 1)  # one sequence's int64 token window (inputs and targets are views of it)
+
+    def saved(stage: StageModule) -> int:
+        if activations:
+            grow = (activation_bytes(stage, batch=2, seq_len=train.seq_len)
+                    - activation_bytes(stage, batch=1, seq_len=train.seq_len))
+        else:  # each block's input (its first norm's backward keeps it) and the last stage's float32 logits
+            grow = 4 * train.seq_len * (len(stage.layers) * args.dim + (args.vocab_size if stage.is_last else 0))
+        return per_seq * (grow // 2 if half else grow)
+
+    if pipe.runtime == "distributed":  # the device of the largest stage (the runtime runs no wpipe: P partitions)
+        stages = split_model(model, pipe.stages)
+        held = [4 * state[s] + saved(stage) for s, stage in enumerate(stages)]
+        s = max(range(pipe.stages), key=held.__getitem__)
+        model_bytes, optim_bytes, batch_bytes = 4 * state[s], 4 * optimizer[s], held[s] - 4 * state[s]
+    else:
+        model_bytes, optim_bytes = 4 * sum(state), 4 * sum(optimizer)
+        batch_bytes = saved(split_model(model, 1)[0])
+    return {"model": model_bytes, "optimizer": optim_bytes, "batch": batch_bytes + per_seq * windows,
+            "evaluation": train.eval_batches * train.batch_size * windows}
+
+
+def device_memory(device: torch.device) -> int | None:
+    """Bytes of memory ``device`` has: a GPU's total; for the CPU the machine's physical memory, or this
+    process's cgroup limit where lower (a container's). None where the system does not say."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    if device.type != "cpu":
+        return None
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return None
+    limits = [Path("/sys/fs/cgroup/memory/memory.limit_in_bytes")]  # cgroup v1
+    try:  # cgroup v2: "0::/PATH", the process's own group under the unified hierarchy
+        own = [line.split("::", 1)[1] for line in Path("/proc/self/cgroup").read_text().splitlines()
+               if line.startswith("0::")]
+        limits += [Path("/sys/fs/cgroup") / path.lstrip("/") / "memory.max" for path in own]
+    except OSError:
+        pass
+    for path in [*limits, Path("/sys/fs/cgroup/memory.max")]:
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():  # "max" means no limit
+            total = min(total, int(text))
+    return total
+
+
+def check_memory(config: Config, args: ModelArgs, device: torch.device, *, vocab_key: str,
+                 activations: bool = True) -> None:
+    """Refuse a run whose :func:`memory_floor` exceeds ``device``'s memory, in one line naming the key that weighs
+    most: ``train.batch_size`` (a microbatch), ``train.eval_batches`` (an evaluation's windows), or for the model
+    ``vocab_key`` (the key that sets the vocabulary) when the vocabulary matrices are half of the parameters,
+    ``optim.max_precond_dim`` when SOAP's state is half of the model's bytes, else ``model.preset`` (or
+    ``model.init_from``). ``activations``: as for :func:`memory_floor`."""
+    have = device_memory(device)
+    floor = memory_floor(config, args, activations=activations)
+    need = floor["model"] + max(floor["batch"], floor["evaluation"])
+    if have is None or need <= have:
+        return
+    t = config.train
+    model = Transformer(args, device="meta")
+    vocab = args.vocab_size * args.dim * (1 if args.tie_embeddings else 2)
+    model_key = (vocab_key if 2 * vocab >= model.num_params() else
+                 "optim.max_precond_dim" if config.optim.name == "soap" and 2 * floor["optimizer"] >= floor["model"]
+                 else "model.init_from" if config.model.init_from else "model.preset")
+    heaviest = max(("model", "batch", "evaluation"), key=floor.__getitem__)
+    key = {"model": model_key, "batch": "train.batch_size", "evaluation": "train.eval_batches"}[heaviest]
+    section, name = key.split(".")
+    value = getattr(getattr(config, section), name)
+    has = (f"this machine's {_size(have)}" if device.type == "cpu" else
+           f"the {_size(have)} of {torch.cuda.get_device_name(device)}")
+    raise UserError(
+        f"Invalid {key}: {value!r} (the run needs at least {_size(need)} of memory, more than {has}: "
+        f"{_size(floor['model'])} for the model's weights, gradients, optimizer state and buffers"
+        f"{' on its largest stage' if config.pipeline.runtime == 'distributed' else ''}, "
+        f"{_size(floor['batch'])} for a microbatch of {t.batch_size // config.pipeline.microbatches} sequences of "
+        f"{t.seq_len} tokens, {_size(floor['evaluation'])} for an evaluation's {t.eval_batches * t.batch_size} "
+        f"sequences; lower {key})")
