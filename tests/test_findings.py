@@ -42,7 +42,7 @@ def test_a_cell_is_the_paired_interval_of_the_runs_it_names():
 def test_every_row_has_every_column_and_a_unique_name():
     got = cells(RESULTS)
     assert len({f.key for f in FINDINGS}) == len(FINDINGS)
-    assert set(got) == {f"{f.key}/{c}" for f in FINDINGS for c in ("paper", "1200", "4800", "verdict")}
+    assert set(got) == {f"{f.key}/{c}" for f in FINDINGS for c in ("paper", "1200", "4800", "verdict", "bound")}
     assert got["muon-gap/paper"] == "0.012" and got["muon-ef-share/paper"] == "58 %"  # docs/spec.md section 8
     with pytest.raises(ValueError, match="Invalid cell"):
         cell(RESULTS, "muon-gap/2400")
@@ -54,6 +54,8 @@ def test_docs_check_catches_an_edited_cell_and_a_figure_typed_by_hand(tmp_path):
     (tmp_path / "results").mkdir()
     (docs / "training.md").write_text("<!-- config-reference:begin -->\n<!-- config-reference:end -->\n")
     (docs / "optimizers.md").write_text("<!-- optimizer-defaults:begin -->\n<!-- optimizer-defaults:end -->\n")
+    (docs / "reliability.md").write_text("<!-- config-ranges:begin -->\n<!-- config-ranges:end -->\n"
+                                         "<!-- option-ranges:begin -->\n<!-- option-ranges:end -->\n")
     (docs / "results.md").write_text("<!-- findings:begin -->\n<!-- findings:end -->\n\nMuon pays "
                                      "<!-- cell:muon-gap/1200 -->?<!-- /cell --> at 1200 steps.\n")
     (tmp_path / "README.md").write_text("Muon: <!-- cell:muon-gap/1200 --><!-- /cell -->.\n")

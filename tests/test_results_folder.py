@@ -38,6 +38,8 @@ def test_docs_tables_are_rebuilt_from_the_results_json(tmp_path, monkeypatch):
     docs.mkdir()
     (docs / "training.md").write_text("<!-- config-reference:begin -->\n<!-- config-reference:end -->\n")
     (docs / "optimizers.md").write_text("<!-- optimizer-defaults:begin -->\n<!-- optimizer-defaults:end -->\n")
+    (docs / "reliability.md").write_text("<!-- config-ranges:begin -->\n<!-- config-ranges:end -->\n"
+                                         "<!-- option-ranges:begin -->\n<!-- option-ranges:end -->\n")
     part = "results:smoke/error-feedback"
     findings = "<!-- findings:begin -->\n<!-- findings:end -->\n"
     (docs / "results.md").write_text(f"{findings}Before.\n\n<!-- {part}:begin -->\nstale\n<!-- {part}:end -->\n\n"
@@ -97,6 +99,8 @@ def test_an_interrupted_suite_is_tabulated_from_the_runs_it_finished(tmp_path, m
     docs.mkdir()
     (docs / "training.md").write_text("<!-- config-reference:begin -->\n<!-- config-reference:end -->\n")
     (docs / "optimizers.md").write_text("<!-- optimizer-defaults:begin -->\n<!-- optimizer-defaults:end -->\n")
+    (docs / "reliability.md").write_text("<!-- config-ranges:begin -->\n<!-- config-ranges:end -->\n"
+                                         "<!-- option-ranges:begin -->\n<!-- option-ranges:end -->\n")
     (docs / "results.md").write_text("<!-- findings:begin -->\n<!-- findings:end -->\n"
                                      "<!-- results:smoke/horizon:begin -->\n<!-- results:smoke/horizon:end -->\n")
     assert tables(out, "horizon", heading="####", partial=True) in generate(docs, tmp_path / "results")[

@@ -39,13 +39,15 @@ from bubblefree.experiments.tables import (
     paired,
     paired_interval,
     share_interval,
+    upper_bound,
     verdict,
 )
 
 __all__ = ["COLUMNS", "FINDINGS", "Finding", "cells", "findings_markdown"]
 
 COLUMNS = ("paper", "1200", "4800", "verdict")
-"""Column keys of a cell's name (``ROW/COLUMN``)."""
+"""Column keys of a cell's name (``ROW/COLUMN``); ``ROW/bound`` also names the 4800-step figure's one-sided 95 %
+upper bound ("at most this much worse"), which the table leaves out."""
 
 _HEADER = ("finding", "paper (360M, 20 tokens/param)", "1200 steps (32 x 256)", "4800 steps (8 x 256)",
            f"verdict at 4800 steps (margin {MARGIN:g})")
@@ -259,6 +261,9 @@ def cells(results: Path) -> dict[str, str]:
         late = figures["4800"]
         out[f"{f.key}/verdict"] = (verdict(list(late.diffs), than=f.than) if late and late.diffs
                                    and f.reads == "diff" else "-")
+        # Not a column: the one-sided 95 % bound, "at most this much worse", for the prose that quotes it.
+        out[f"{f.key}/bound"] = (fmt(upper_bound(list(late.diffs))) if late and late.diffs and f.reads == "diff"
+                                 else "-")
     return out
 
 
