@@ -20,21 +20,46 @@ import torch
 from bubblefree.config import Config, DelayConfig, OptimConfig, config_from_dict, validate
 from bubblefree.delay import CORRECTIONS, DelayedOptimizer, build_delayed
 from bubblefree.delay.corrections import HPARAMS
-from bubblefree.optim import AdamW, build_optimizer
-from test_delay import OPTIMIZERS, SIZES, X0, A, RefAdamW, RefSGDM, c_t, mlp, reference, run_torch, train
+from bubblefree.errors import UserError
+from bubblefree.optim import OPTIMIZERS as REGISTRY, AdamW, Adan, Muon, build_optimizer
+from test_delay import (
+    MOMENTUM_FREE,
+    OPTIMIZERS,
+    SGD_HP,
+    SGDM,
+    SIZES,
+    X0,
+    A,
+    RefAdamW,
+    RefSGDM,
+    c_t,
+    mlp,
+    reference,
+    run_torch,
+    train,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
 # Every correction's knob away from its default, each large enough to move the trajectory.
 KNOBS = dict(beta=0.5, lam=0.5, gamma=0.8, alpha=1.5)
-HP = dict(ef_beta=0.5, taylor_lambda=0.5, nesterov_gamma=0.8, predict_scale=1.5)
+HP = dict(ef_beta=0.5, taylor_lambda=0.5, ema_beta=0.8, predict_scale=1.5)
+
+
+def adamw(params, name: str) -> AdamW:
+    """The AdamW the generic tests wrap with correction ``name``: without its momentum (beta1 0) where the
+    correction is the momentum (``owns_momentum``; the wrapper refuses it otherwise)."""
+    return AdamW(params, lr=1e-2, betas=(0.0, 0.95) if CORRECTIONS[name].owns_momentum else (0.9, 0.95))
 
 
 def reference_update_ema(opt, delays, *, T, gamma, ks=0, kc=0, bias_correction=True, inner=None, **_):
     """docs/delay.md's update EMA with full histories: ``b_{t+1} = gamma b_t + (1 - gamma) u_t``,
     ``y_{t+1} = y_t - (1 - gamma) u_t - gamma b_{t+1} / (1 - gamma^(t+1))`` (no division without bias correction).
     ``inner``: the inner optimizer's reference (``update(g, x) -> u``); by default ``opt``'s."""
-    inner = inner or (RefAdamW() if opt.startswith("adamw") else RefSGDM())
+    if inner is None and opt in MOMENTUM_FREE:
+        inner = RefAdamW(beta1=0.0) if opt.startswith("adamw") else RefSGDM(momentum=0.0)
+    elif inner is None:
+        inner = RefAdamW() if opt.startswith("adamw") else RefSGDM()
     d = np.repeat(delays, SIZES)
     is_async = lambda t: ks <= t < T - kc  # noqa: E731
     start = next((t for t in range(T) if is_async(t)), None)
@@ -61,8 +86,10 @@ REFERENCES = {  # name -> float64 reference(opt, delays, *, T, ks, kc, **KNOBS) 
 
 
 def _optimizers(name: str) -> list[str]:
-    """The test optimizers a correction runs with: the UpdateOptimizers, and the plain torch ones if it can."""
-    return [o for o, (_, update) in OPTIMIZERS.items() if update or not CORRECTIONS[name].needs_updates]
+    """The test optimizers a correction runs with: the UpdateOptimizers, and the plain torch ones if it can; the
+    momentum-free ones for a correction that is the momentum."""
+    table = MOMENTUM_FREE if CORRECTIONS[name].owns_momentum else OPTIMIZERS
+    return [o for o, (_, update) in table.items() if update or not CORRECTIONS[name].needs_updates]
 
 
 @pytest.mark.parametrize("name", CORRECTIONS)
@@ -79,10 +106,10 @@ def test_trajectory_matches_a_float64_reference(name):
 
 def test_update_ema_is_the_uncorrected_one_with_bias_correction():
     """The bias correction makes the first steps full-sized: step 1 moves by u_1 exactly, not (1 - gamma^2) u_1."""
-    got = run_torch("sgdm-update", (0, 0), "update-ema", T=1, gamma=0.99)
-    u1 = RefSGDM().update(A @ X0 - c_t(0), X0)
+    got = run_torch("sgd-update", (0, 0), "update-ema", T=1, gamma=0.99)
+    u1 = RefSGDM(momentum=0.0).update(A @ X0 - c_t(0), X0)
     np.testing.assert_allclose(got[0], X0 - u1, rtol=1e-12)
-    plain = reference_update_ema("sgdm-update", (0, 0), T=1, gamma=0.99, bias_correction=False)
+    plain = reference_update_ema("sgd-update", (0, 0), T=1, gamma=0.99, bias_correction=False)
     np.testing.assert_allclose(plain[0], X0 - (1 - 0.99**2) * u1, rtol=1e-12)
     np.testing.assert_allclose(run_torch("adamw-update", (2, 1), "nesterov", T=12, gamma=0.9),
                                reference_update_ema("adamw-update", (2, 1), T=12, gamma=0.9, bias_correction=False),
@@ -111,7 +138,7 @@ def test_update_ema_around_momentum_free_adamw_from_the_config_matches_a_float64
     T, gamma, lr, wd = 12, 0.8, 0.05, 0.1
     config = Config()
     config.optim.name, config.optim.lr, config.optim.momentum, config.optim.weight_decay = "adamw", lr, 0.0, wd
-    config.delay.correction, config.delay.nesterov_gamma = "update-ema", gamma
+    config.delay.correction, config.delay.ema_beta = "update-ema", gamma
     validate(config)
 
     def run(optim: OptimConfig) -> np.ndarray:
@@ -133,8 +160,43 @@ def test_update_ema_around_momentum_free_adamw_from_the_config_matches_a_float64
     got = run(config.optim)
     want = reference_update_ema("adamw", (1, 1), T=T, gamma=gamma, inner=RefAdamW0(lr, wd))
     np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
-    compounded = run(dataclasses.replace(config.optim, momentum=-1.0))  # what validate refuses: beta1 0.9 inside
-    assert np.abs(compounded - want).max() > 1e-3
+    with pytest.raises(ValueError, match=r"AdamW has betas\[0\] = 0.9: set it to 0"):  # validate refuses it too
+        run(dataclasses.replace(config.optim, momentum=-1.0))
+
+
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+@pytest.mark.parametrize("momentum", [0.0, 0.5, -1.0])  # -1: the optimizer's default
+def test_the_wrapper_refuses_the_update_ema_where_the_config_does(name, momentum):
+    """``DelayedOptimizer`` used as a library refuses a correction that is the method's momentum around an
+    optimizer that has one, exactly where ``config.validate`` refuses the config (every optimizer of the registry,
+    the knob at 0, at 0.5 and at its default), and says what to set."""
+    config = Config()
+    config.optim.name, config.optim.momentum, config.delay.correction = name, momentum, "update-ema"
+    try:
+        validate(config)
+        refused_by_config = False
+    except UserError:
+        refused_by_config = True
+    model = mlp()
+    model.embed = torch.nn.Embedding(4, 3)  # an AdamW group for Muon and MARS: its beta1 0.9 is not the knob's
+    opt = build_optimizer(model, config.optim)
+    if refused_by_config:
+        with pytest.raises(ValueError, match="'update-ema' is the method's momentum.*(set (it|them) to 0|another)"):
+            DelayedOptimizer(opt, delays=1, correction="update-ema")
+    else:
+        DelayedOptimizer(opt, delays=1, correction="update-ema")
+    DelayedOptimizer(opt, delays=1, correction="nesterov")  # the first form runs around any momentum
+
+
+@pytest.mark.parametrize(("make", "match"), [
+    (lambda ps: AdamW(ps), r"AdamW has betas\[0\] = 0.9: set it to 0 \(in a config, optim.momentum = 0\)"),
+    (lambda ps: Muon(ps), "Muon has momentum = 0.95: set it to 0"),
+    (lambda ps: Adan(ps, betas=(0.0, 0.92, 0.99)), "Adan keeps one at any setting .*: choose another one"),
+    (lambda ps: SGDM(ps, **SGD_HP), "SGDM has momentum = 0.9"),  # outside the registry: torch's names
+])
+def test_the_refusal_names_the_momentum_and_the_fix(make, match):
+    with pytest.raises(ValueError, match=match):
+        DelayedOptimizer(make([torch.nn.Parameter(torch.ones(2, 2))]), delays=1, correction="update-ema")
 
 
 @pytest.mark.parametrize("name", CORRECTIONS)
@@ -143,21 +205,73 @@ def test_checkpoint_round_trip(tmp_path, name, save_at):
     kw = dict(delays=[2, 2, 1, 0], correction=name, sync_start_steps=3, sync_cooldown_steps=4, total_steps=16,
               taylor_adaptive=True, **HP)
     full = mlp()
-    train(full, DelayedOptimizer(AdamW(full.parameters(), lr=1e-2), **kw), 16)
+    train(full, DelayedOptimizer(adamw(full.parameters(), name), **kw), 16)
     first = mlp()
-    delayed = DelayedOptimizer(AdamW(first.parameters(), lr=1e-2), **kw)
+    delayed = DelayedOptimizer(adamw(first.parameters(), name), **kw)
     train(first, delayed, save_at)
     torch.save({"model": first.state_dict(), "opt": delayed.state_dict()}, tmp_path / "ckpt.pt")
     train(first, delayed, 16, start=save_at)  # keeps running: the saved file must not be affected
     ckpt = torch.load(tmp_path / "ckpt.pt")
     resumed = mlp(seed=1)
     resumed.load_state_dict(ckpt["model"])
-    again = DelayedOptimizer(AdamW(resumed.parameters(), lr=1e-2), **kw)
+    again = DelayedOptimizer(adamw(resumed.parameters(), name), **kw)
     again.load_state_dict(ckpt["opt"])
     assert again.step_count == save_at
     train(resumed, again, 16, start=save_at)
     for p, q, r in zip(full.parameters(), resumed.parameters(), first.parameters()):
         assert torch.equal(p, q) and torch.equal(p, r)
+
+
+def _held(entries: list) -> dict:
+    return {i: x for i, x in enumerate(entries) if x is not None}
+
+
+FIRST_FORMAT = {  # name -> the correction's state as its own hand-written state_dict gave it, read from its attributes
+    "none": lambda c: {},
+    "ef": lambda c: {"ef": {i: list(ring) for i, ring in enumerate(c.rings) if ring is not None}},
+    "taylor": lambda c: {"mean_square": _held(c.mean_square)},
+    "nesterov": lambda c: {"momentum": _held(c.momentum)},
+    "update-ema": lambda c: {"momentum": _held(c.momentum), "momentum_count": dict(enumerate(c.count))},
+    "predict": lambda c: {"change": _held(c.change)},
+}
+"""Before the corrections declared their buffers (``Correction.buffers``), each wrote its ``state_dict`` and
+``load_state_dict`` by hand; checkpoints of that code hold these."""
+
+
+def _by_identity(tree):
+    """``tree`` with each tensor replaced by its identity: equal trees hold the very same tensors in the same places."""
+    if isinstance(tree, torch.Tensor):
+        return ("tensor", id(tree))
+    if isinstance(tree, dict):
+        return {k: _by_identity(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return (type(tree).__name__, [_by_identity(v) for v in tree])
+    return tree
+
+
+@pytest.mark.parametrize("name", CORRECTIONS)
+def test_checkpoints_of_the_hand_written_state_dicts_resume_bit_for_bit(tmp_path, name):
+    """The declared buffers save exactly what the hand-written state dicts saved (same keys, parameters, slots
+    and tensors), and a checkpoint whose correction state is written in that first form, through a file, loads
+    in the asynchronous phase and resumes bit for bit (the run then drains at its cooldown)."""
+    kw = dict(delays=[2, 2, 1, 0], correction=name, sync_cooldown_steps=3, total_steps=12, taylor_adaptive=True, **HP)
+    full = mlp()
+    train(full, DelayedOptimizer(adamw(full.parameters(), name), **kw), 12)
+    first = mlp()
+    delayed = DelayedOptimizer(adamw(first.parameters(), name), **kw)
+    train(first, delayed, 6)
+    state, old = delayed.state_dict(), FIRST_FORMAT[name](delayed.corrector)
+    assert set(state) == {"inner", "step", "filled", "delays", "correction", "stash", *old}
+    assert _by_identity({k: state[k] for k in old}) == _by_identity(old)
+    assert name == "none" or _tensors(old), "nothing held: the check would be vacuous"
+    torch.save({"model": first.state_dict(), "opt": {**state, **old}}, tmp_path / "first-form.pt")
+    ckpt = torch.load(tmp_path / "first-form.pt")
+    resumed = mlp(seed=1)
+    resumed.load_state_dict(ckpt["model"])
+    again = DelayedOptimizer(adamw(resumed.parameters(), name), **kw)
+    again.load_state_dict(ckpt["opt"])
+    train(resumed, again, 12, start=6)
+    assert all(torch.equal(p, q) for p, q in zip(full.parameters(), resumed.parameters()))
 
 
 def _tensors(tree) -> list[torch.Tensor]:
@@ -173,7 +287,7 @@ def test_memory_account_is_the_checkpointed_buffers(name):
     """What ``memory_bytes`` reports for a correction is exactly the tensors its checkpoint holds (no buffer
     left out of either), during the asynchronous phase and after the drain."""
     model = mlp()
-    delayed = DelayedOptimizer(AdamW(model.parameters(), lr=1e-2), delays=2, correction=name, taylor_adaptive=True,
+    delayed = DelayedOptimizer(adamw(model.parameters(), name), delays=2, correction=name, taylor_adaptive=True,
                                sync_cooldown_steps=2, total_steps=8, **HP)
     key = CORRECTIONS[name].memory_key
     for t in range(8):
@@ -188,18 +302,18 @@ def test_memory_account_is_the_checkpointed_buffers(name):
 @pytest.mark.parametrize("name", CORRECTIONS)
 def test_named_state_moves_every_buffer(name):
     """The checkpoint keyed by parameter name (the form that resumes at another layout) carries every buffer of
-    the correction: its state keys are among the declared ``state_keys``, each per parameter, and the named state
+    the correction: its state keys are the declared buffers' keys, each per parameter, and the named state
     loaded into a fresh wrapper gives the same state back."""
     model, names = mlp(), None
-    delayed = DelayedOptimizer(AdamW(model.parameters(), lr=1e-2), delays=2, correction=name, taylor_adaptive=True,
+    delayed = DelayedOptimizer(adamw(model.parameters(), name), delays=2, correction=name, taylor_adaptive=True,
                                total_steps=8, **HP)
     for t in range(4):
         train(model, delayed, t + 1, start=t)
     state = delayed.corrector.state_dict()
-    assert set(state) <= set(CORRECTIONS[name].state_keys)  # every key declared (one may be off, e.g. a count)
+    assert set(state) == {b.key for b in CORRECTIONS[name].buffers}
     assert all(isinstance(v, dict) and set(v) <= set(range(len(delayed.params))) for v in state.values())
     names = [f"p{i}" for i in range(len(delayed.params))]
-    fresh = DelayedOptimizer(AdamW(mlp().parameters(), lr=1e-2), delays=2, correction=name, taylor_adaptive=True,
+    fresh = DelayedOptimizer(adamw(mlp().parameters(), name), delays=2, correction=name, taylor_adaptive=True,
                              total_steps=8, **HP)
     fresh.load_named_state_dict(delayed.named_state_dict(names), names)
     again = fresh.corrector.state_dict()

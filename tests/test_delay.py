@@ -56,25 +56,31 @@ OPTIMIZERS = {  # name -> (factory, uses the UpdateOptimizer path)
     "adamw-plain": (lambda ps: torch.optim.AdamW(ps, **ADAM_HP), False),
     "adamw-update": (lambda ps: AdamW(ps, **ADAM_HP), True),
 }
+MOMENTUM_FREE = {  # the same without a momentum of their own, for the corrections that are one (update-ema)
+    "sgd-update": (lambda ps: SGDM(ps, **{**SGD_HP, "momentum": 0.0}), True),
+    "adamw0-update": (lambda ps: AdamW(ps, **{**ADAM_HP, "betas": (0.0, ADAM_HP["betas"][1])}), True),
+}
 
 
 class RefSGDM:
-    def __init__(self):
-        self.buf = None
+    def __init__(self, momentum: float = SGD_HP["momentum"]):
+        self.buf, self.momentum = None, momentum
 
     def update(self, g, x):
         g = g + SGD_HP["weight_decay"] * x
-        self.buf = g.copy() if self.buf is None else SGD_HP["momentum"] * self.buf + g
+        self.buf = g.copy() if self.buf is None else self.momentum * self.buf + g
         return SGD_HP["lr"] * self.buf
 
 
 class RefAdamW:
-    def __init__(self):
+    def __init__(self, beta1: float = ADAM_HP["betas"][0]):
         self.m = self.v = 0.0
         self.k = 0
+        self.beta1 = beta1
 
     def update(self, g, x):
-        lr, (b1, b2), eps, wd = ADAM_HP["lr"], ADAM_HP["betas"], ADAM_HP["eps"], ADAM_HP["weight_decay"]
+        lr, (_, b2), eps, wd = ADAM_HP["lr"], ADAM_HP["betas"], ADAM_HP["eps"], ADAM_HP["weight_decay"]
+        b1 = self.beta1
         self.k += 1
         self.m = b1 * self.m + (1 - b1) * g
         self.v = b2 * self.v + (1 - b2) * g * g
@@ -124,10 +130,10 @@ def reference(opt, delays, correction, *, T, beta=1.0, lam=0.0, gamma=0.9, ks=0,
 
 
 def run_torch(opt, delays, correction, *, T, beta=1.0, lam=0.0, gamma=0.9, ks=0, kc=0, adaptive=False, alpha=1.0):
-    factory, _ = OPTIMIZERS[opt]
+    factory, _ = {**OPTIMIZERS, **MOMENTUM_FREE}[opt]
     params = [nn.Parameter(torch.tensor(part)) for part in np.split(X0, np.cumsum(SIZES)[:-1])]
     delayed = DelayedOptimizer(factory(params), delays=list(delays), correction=correction, ef_beta=beta,
-                               taylor_lambda=lam, taylor_adaptive=adaptive, nesterov_gamma=gamma,
+                               taylor_lambda=lam, taylor_adaptive=adaptive, ema_beta=gamma,
                                predict_scale=alpha, sync_start_steps=ks, sync_cooldown_steps=kc, total_steps=T)
     a_mat, out = torch.tensor(A), []
     for t in range(T):
@@ -206,7 +212,7 @@ def test_build_delayed_passes_every_key_of_the_delay_section():
     from bubblefree.config import DelayConfig
     from bubblefree.delay import build_delayed
 
-    values = dict(correction="taylor", ef_beta=0.5, taylor_lambda=2.0, taylor_adaptive=True, nesterov_gamma=0.9,
+    values = dict(correction="taylor", ef_beta=0.5, taylor_lambda=2.0, taylor_adaptive=True, ema_beta=0.9,
                   predict_scale=0.5, sync_start_steps=1, sync_cooldown_steps=2)
     assert set(values) == {f.name for f in dataclasses.fields(DelayConfig)}  # a new key needs a value here
     delayed = build_delayed(AdamW(mlp().parameters()), delays=1, config=DelayConfig(**values), total_steps=10)
@@ -218,7 +224,7 @@ def test_nesterov_with_sgd_is_the_paper_rule():
     lr, gamma, T = 0.1, 0.9, 12
     p = nn.Parameter(torch.tensor(X0))
     delayed = DelayedOptimizer(SGDM([p], lr=lr, momentum=0.0, weight_decay=0.0), delays=2,
-                               correction="nesterov", nesterov_gamma=gamma)
+                               correction="nesterov", ema_beta=gamma)
     w = [X0.copy(), X0.copy()]  # w_{-1}, w_0
     look = lambda k: w[k + 1] + gamma * (w[k + 1] - w[k])  # noqa: E731  (w_k + m_k, k >= 0)
     for t in range(T):
@@ -457,7 +463,7 @@ def test_named_state_refuses_a_delay_changed_in_flight_and_a_missing_parameter()
     (dict(ef_beta=1.5), "ef_beta"),
     (dict(ef_beta=-0.1), "ef_beta"),
     (dict(taylor_lambda=-1.0), "taylor_lambda"),
-    (dict(nesterov_gamma=1.0), "nesterov_gamma"),
+    (dict(ema_beta=1.0), "ema_beta"),
     (dict(correction="taylor"), "taylor_lambda"),  # lambda 0 would be the plain delay, silently
     (dict(taylor_adaptive=1), "taylor_adaptive"),
     (dict(predict_scale=0.0), "predict_scale"),

@@ -52,7 +52,7 @@ def _config(schedule: str, stages: int, microbatches: int, *, steps: int = 5, sy
     c.delay.correction, c.delay.sync_start_steps, c.delay.sync_cooldown_steps = correction, sync_start, cooldown
     # each correction's knob away from its default and large enough to move the trajectory (lambda: DC-ASGD-a)
     c.delay.taylor_lambda, c.delay.taylor_adaptive = 1.0, correction == "taylor"
-    c.delay.nesterov_gamma, c.delay.predict_scale, c.delay.ef_beta = 0.8, 1.5, 0.75
+    c.delay.ema_beta, c.delay.predict_scale, c.delay.ef_beta = 0.8, 1.5, 0.75
     return c
 
 
@@ -111,7 +111,8 @@ def _compare(tmp_path: Path, config: Config, nprocs: int, eval_at: tuple[int, ..
 
 @pytest.mark.parametrize("delay", [1, 2])
 @pytest.mark.parametrize(("make", "correction"), [
-    *((lambda ps: AdamW(ps, lr=0.1), c) for c in CORRECTIONS), (lambda ps: torch.optim.SGD(ps, lr=0.1), "none")],
+    *((lambda ps, c=c: AdamW(ps, lr=0.1, betas=(0.0 if CORRECTIONS[c].owns_momentum else 0.9, 0.95)), c)
+      for c in CORRECTIONS), (lambda ps: torch.optim.SGD(ps, lr=0.1), "none")],
     ids=[*(f"adamw-{c}" for c in CORRECTIONS), "torch-sgd-none"])
 def test_steps_under_way_compute_on_the_stash_itself_and_keep_their_versions(delay, make, correction):
     """A stage of delay ``d`` with the pipeline full, as the asynchronous loop runs it: step ``t + d`` is entered

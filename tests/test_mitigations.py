@@ -65,7 +65,7 @@ def test_knob_sweep_extends_past_the_end_like_the_learning_rate():
     assert [(r.variant, r.tags["value"], r.seed) for r in runs] == [
         (nesterov.method, 0.9, 0), (nesterov.method, 0.95, 0), (nesterov.method, 0.99, 0),
         (ef.method, 0.5, 0), (ef.method, 0.75, 0), (ef.method, 1.0, 0)]
-    assert [r.config.delay.nesterov_gamma for r in runs[:3]] == [0.9, 0.95, 0.99]
+    assert [r.config.delay.ema_beta for r in runs[:3]] == [0.9, 0.95, 0.99]
 
     def rows(method, losses):
         return [{"optimizer": "muon", "variant": method, "role": "sweep", "value": v, "final_val_loss": loss}

@@ -32,6 +32,7 @@ from bubblefree.errors import UserError
 __all__ = [
     "CHOICES",
     "DISTRIBUTED_SCHEDULES",
+    "RENAMED",
     "Config",
     "DataConfig",
     "DelayConfig",
@@ -70,6 +71,12 @@ MOMENTUM_CORRECTIONS = ("update-ema",)
 KEEPS_MOMENTUM = ("adan",)
 """The optimizers that keep a momentum of their own at ``optim.momentum = 0`` (``OptimizerSpec.momentum_free``
 False), so that no correction of :data:`MOMENTUM_CORRECTIONS` can run around them."""
+RENAMED = {"delay.nesterov_gamma": "delay.ema_beta"}
+"""Keys renamed since runs were first recorded, old ``section.key`` -> new. The old name still reads wherever a
+config comes from: a config file, ``--set``, a checkpoint, a run's JSON (:func:`config_from_dict` and
+:func:`parse_override` say once per process that it was renamed; :func:`apply_overrides` maps it silently, for
+code). Run ids hash the key under its old name (``bubblefree.experiments.runner.identity``), so no finished
+result changes id."""
 
 
 def _key(default: Any, *, choices: tuple[str, ...] = (), gt: float | None = None, ge: float | None = None,
@@ -254,9 +261,10 @@ class DelayConfig:
     """Taylor only: DC-ASGD-a, lambda divided elementwise by sqrt(v + 1e-7), v the running mean square of the
     gradient (decay 0.95, the DC-ASGD paper's constants): the term then grows like |g|, not g*g."""
 
-    nesterov_gamma: float = _key(0.99, ge=0, lt=1)
-    """``update-ema`` and ``nesterov`` only: the EMA coefficient gamma in [0, 1) (a time constant of 1 / (1 - gamma)
-    steps). With ``update-ema`` it is the run's only momentum (``optim.momentum = 0``)."""
+    ema_beta: float = _key(0.99, ge=0, lt=1)
+    """``update-ema`` and ``nesterov`` only: the update EMA's coefficient in [0, 1), ``gamma`` in the rules of
+    docs/delay.md (a time constant of 1 / (1 - gamma) steps). With ``update-ema`` it is the run's only momentum
+    (``optim.momentum = 0``). Formerly ``delay.nesterov_gamma``, a name still read (with a note)."""
 
     predict_scale: float = _key(1.0, gt=0)
     """Weight prediction only: alpha > 0 in x^ = x_j + alpha d (x_j - x_{j-1}); 1 extrapolates the last change of
@@ -340,6 +348,20 @@ def _typed(dotted: str, value: Any, expected: type) -> Any:
     return value
 
 
+_NOTED: set[str] = set()
+"""The renamed keys already noted in this process."""
+
+
+def _current_name(dotted: str, *, note: bool) -> str:
+    """``dotted``'s name now (:data:`RENAMED`); with ``note``, the first old name read says its new one (on
+    stdout, like the training loop's notes: a refused run's stderr stays the one line of its error)."""
+    new = RENAMED.get(dotted, dotted)
+    if note and new != dotted and dotted not in _NOTED:
+        _NOTED.add(dotted)
+        print(f"bubblefree: note: {dotted} is now {new}", flush=True)
+    return new
+
+
 def parse_override(config: Config, text: str) -> tuple[str, Any]:
     """Parse one ``section.key=value`` into ``(dotted key, typed value)`` against ``config``'s field types.
 
@@ -350,6 +372,7 @@ def parse_override(config: Config, text: str) -> tuple[str, Any]:
     dotted, raw = dotted.strip(), raw.strip()
     if not sep or not dotted:
         raise UserError(f"Invalid override: {text!r} (expected section.key=value)")
+    dotted = _current_name(dotted, note=True)
     _, _, expected = _resolve(config, dotted)
     try:
         if expected is bool:
@@ -365,6 +388,7 @@ def apply_overrides(config: Config, values: dict[str, Any]) -> Config:
     """Return a copy of ``config`` with ``{"section.key": value}`` set (values type-checked as from TOML)."""
     sections = {name: dataclasses.replace(section) for name, section in _sections(config).items()}
     for dotted, value in values.items():
+        dotted = _current_name(dotted, note=False)
         _, key, expected = _resolve(config, dotted)
         setattr(sections[dotted.partition(".")[0]], key, _typed(dotted, value, expected))
     return Config(**sections)
@@ -382,7 +406,13 @@ def config_from_dict(data: dict[str, Any], *, base: Config | None = None, origin
         if not isinstance(table, dict):
             raise UserError(f"Invalid {origin}: top-level key {name!r} must be a [section] table "
                             f"(sections: {', '.join(_sections())})")
-        flat.update({f"{name}.{key}": value for key, value in table.items()})
+        for key, value in table.items():
+            dotted = _current_name(f"{name}.{key}", note=True)
+            if dotted in flat:  # only a renamed key can come twice: TOML refuses a repeated key
+                old = next(o for o, n in RENAMED.items() if n == dotted)
+                raise UserError(f"Invalid {origin}: it sets both {old} and {dotted}, the old and the new name of one "
+                                f"key; keep {dotted}")
+            flat[dotted] = value
     return apply_overrides(base or Config(), flat)
 
 

@@ -34,8 +34,16 @@ def _fp32_bf16(self, *args, **kwargs):
     return self.float()
 
 
+def _defaults(name: str) -> dict:
+    """Our class defaults (the registry's) for a reference: lr, weight decay and the momentum coefficients. Where a
+    reference's own defaults differ (pytorch-optimizer's Lion, Adan and MARS default to no weight decay, which would
+    skip whole passes) the comparison would not be like for like."""
+    spec = OPTIMIZERS[name]
+    return {"lr": spec.lr, "weight_decay": spec.weight_decay, **spec.momentum_kwargs(spec.momentum)}
+
+
 def _muon_ref(params, ns_fp32: bool):
-    opt = torch.optim.Muon(params, lr=0.02, weight_decay=0.1)
+    opt = torch.optim.Muon(params, **_defaults("muon"))
     if ns_fp32:  # torch's own NS code with bf16 replaced by fp32 (this CPU has no fast bf16 matmul)
         step = opt.step
         def fp32_step(closure=None):  # noqa: E306
@@ -45,31 +53,27 @@ def _muon_ref(params, ns_fp32: bool):
     return opt
 
 
-def _po(name: str, params, **hparams) -> torch.optim.Optimizer:
-    """The reference with our class defaults where pytorch-optimizer's differ (its Lion, Adan and MARS default
-    to no weight decay, which would skip whole passes and make the comparison unfair)."""
-    return OPTIMIZERS[name].reference(params, **hparams)
+def _reference(name: str, **options):
+    """The registry's reference implementation of ``name`` at our class defaults (``options``: torch's ``fused``
+    and the like)."""
+    return lambda ps: OPTIMIZERS[name].reference(ps, **_defaults(name), **options)
 
 
 def _pairs(device: torch.device):
-    """name -> (ours(params), reference(params), reference label); matrices only for Muon, like its reference."""
+    """name -> (ours(params), reference(params), reference label); matrices only for Muon, like its reference.
+    Ours and the reference run at the registry's defaults (the classes' own)."""
     cpu = device.type == "cpu"
+    ours = lambda name: OPTIMIZERS[name].cls  # noqa: E731
     return {
-        "adamw": (lambda ps: OPTIMIZERS["adamw"].cls(ps), lambda ps: torch.optim.AdamW(ps, foreach=True),
-                  "torch AdamW foreach"),
-        "adamw (vs fused)": (lambda ps: OPTIMIZERS["adamw"].cls(ps), lambda ps: torch.optim.AdamW(ps, fused=True),
+        "adamw": (ours("adamw"), _reference("adamw"), "torch AdamW foreach"),
+        "adamw (vs fused)": (ours("adamw"), lambda ps: torch.optim.AdamW(ps, **_defaults("adamw"), fused=True),
                              "torch AdamW fused"),
-        "muon": (lambda ps: OPTIMIZERS["muon"].cls(ps), lambda ps: _muon_ref(ps, ns_fp32=cpu),
-                 "torch Muon" + (" (fp32 NS)" if cpu else "")),
-        "lion": (lambda ps: OPTIMIZERS["lion"].cls(ps), lambda ps: _po("lion", ps, lr=1e-4, betas=(0.95, 0.98),
-                 weight_decay=0.5), "pytorch-optimizer Lion"),
-        "adan": (lambda ps: OPTIMIZERS["adan"].cls(ps), lambda ps: _po("adan", ps, lr=2.5e-3, weight_decay=0.05),
-                 "pytorch-optimizer Adan (proximal decay)"),
-        "mars": (lambda ps: OPTIMIZERS["mars"].cls(ps), lambda ps: _po("mars", ps, lr=6e-3, weight_decay=0.1),
-                 "pytorch-optimizer MARS"),
-        "soap": (lambda ps: OPTIMIZERS["soap"].cls(ps), lambda ps: _po("soap", ps), "pytorch-optimizer SOAP"),
-        "nadamw": (lambda ps: OPTIMIZERS["nadamw"].cls(ps), lambda ps: torch.optim.NAdam(
-            ps, lr=6e-4, weight_decay=0.1, decoupled_weight_decay=True, foreach=True), "torch NAdam decoupled foreach"),
+        "muon": (ours("muon"), lambda ps: _muon_ref(ps, ns_fp32=cpu), "torch Muon" + (" (fp32 NS)" if cpu else "")),
+        "lion": (ours("lion"), _reference("lion"), "pytorch-optimizer Lion"),
+        "adan": (ours("adan"), _reference("adan"), "pytorch-optimizer Adan (proximal decay)"),
+        "mars": (ours("mars"), _reference("mars"), "pytorch-optimizer MARS"),
+        "soap": (ours("soap"), _reference("soap"), "pytorch-optimizer SOAP"),
+        "nadamw": (ours("nadamw"), _reference("nadamw"), "torch NAdam decoupled foreach"),
     }
 
 

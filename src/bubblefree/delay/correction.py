@@ -12,8 +12,9 @@ a method here whose default is the plain delay (``correction = "none"``):
   are taken at (weight prediction);
 * :meth:`Correction.fill` / :meth:`Correction.drain`: the synchronous -> asynchronous switch (the pipeline
   fills, nothing is in flight) and back (it drains: flush what is in flight);
-* its own state: :meth:`Correction.memory_bytes`, :meth:`Correction.state_dict`,
-  :meth:`Correction.load_state_dict`.
+* its own state: the buffers it declares in :attr:`Correction.buffers` (one :class:`Buffer` each), which the base
+  class sizes for the memory plan (:meth:`Correction.copies`), measures (:meth:`Correction.memory_bytes`), saves
+  and loads (:meth:`Correction.state_dict`, :meth:`Correction.load_state_dict`).
 
 Its hyperparameters are :attr:`Correction.hparams` (name -> default), checked by :meth:`Correction.check`
 whatever the chosen correction (a bad value is an error even where it would not act), and passed to its
@@ -24,14 +25,15 @@ constructor. A new correction is one module with a subclass and one line in
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, ClassVar, Protocol
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal, Protocol
 
 import torch
 from torch import Tensor
 
 from bubblefree.optim.base import apply_updates
 
-__all__ = ["Correction", "Stash", "can_hold", "nbytes", "own"]
+__all__ = ["Buffer", "Correction", "Stash", "can_hold", "nbytes", "own"]
 
 
 class Stash(Protocol):
@@ -64,6 +66,64 @@ def own(x: Tensor | None, p: Tensor) -> Tensor | None:
     return None if x is None else x.to(device=p.device, copy=True)
 
 
+@dataclass(frozen=True)
+class Buffer:
+    """One per-parameter buffer of a correction (:attr:`Correction.buffers`): the base class keeps it, sizes it,
+    saves it and loads it.
+
+    The correction holds it as the list attribute :attr:`name`, one entry per parameter in the optimizer's order,
+    :attr:`empty` where the parameter holds none; a checkpoint holds it under :attr:`key` as ``{parameter index:
+    entry}``, for the parameters that hold one (every parameter for a count). Tensors are kept by reference in a
+    state dict and copied onto their parameter's device (not cast: an update may be wider than its parameter)
+    when loaded.
+    """
+
+    name: str
+    """The correction's attribute."""
+
+    key: str
+    """Its key in :meth:`Correction.state_dict`: checkpoints are keyed by it, so it never changes."""
+
+    kind: Literal["tensor", "ring", "count"] = "tensor"
+    """``"tensor"``: a parameter-sized tensor; ``"ring"``: a list of ``d`` of them (slots None until written: the
+    updates in flight); ``"count"``: an int (0 when empty), no memory."""
+
+    held: Literal["delayed", "every"] = "delayed"
+    """Which parameters hold it in an asynchronous phase: those with a delay ``d > 0``, or every one."""
+
+    only_with: str = ""
+    """A boolean hyperparameter without which it is never held (empty: always held)."""
+
+    @property
+    def empty(self) -> Any:
+        """The entry of a parameter that holds none."""
+        return 0 if self.kind == "count" else None
+
+    def copies(self, delay: int, hparams: dict[str, Any]) -> int:
+        """Parameter-sized tensors it holds for one parameter of delay ``delay`` in an asynchronous phase."""
+        if self.kind == "count" or (self.only_with and not hparams.get(self.only_with, False)):
+            return 0
+        if self.kind == "ring":
+            return delay
+        return int(self.held == "every" or delay > 0)
+
+    def tensors(self, entry: Any) -> list[Tensor]:
+        """The tensors of one entry."""
+        if self.kind == "count" or entry is None:
+            return []
+        return [u for u in entry if u is not None] if self.kind == "ring" else [entry]
+
+    def saved(self, entry: Any) -> Any:
+        """One entry as a state dict holds it (a ring as a new list of the same tensors)."""
+        return list(entry) if self.kind == "ring" else entry
+
+    def loaded(self, value: Any, p: Tensor) -> Any:
+        """One entry restored from a state dict, for parameter ``p``."""
+        if self.kind == "count":
+            return int(value)
+        return [own(u, p) for u in value] if self.kind == "ring" else own(value, p)
+
+
 class Correction:
     """The plain delay (``"none"``) and the interface every correction implements (module docstring).
 
@@ -78,9 +138,10 @@ class Correction:
     needs_updates: ClassVar[bool] = False
     """Whether it needs the update ``u_t`` before it is applied (an ``UpdateOptimizer``)."""
 
-    state_keys: ClassVar[tuple[str, ...]] = ()
-    """The keys of its :meth:`state_dict`, each ``{parameter index: value}``: what a checkpoint keyed by
-    parameter name moves with each parameter (:func:`~bubblefree.delay.delayed.name_state`)."""
+    buffers: ClassVar[tuple[Buffer, ...]] = ()
+    """Its per-parameter buffers. The base class creates them empty, sizes them for the memory plan
+    (:meth:`copies`), measures them (:meth:`memory_bytes`), saves and loads them; a checkpoint keyed by parameter
+    name moves each with its parameter (:func:`~bubblefree.delay.delayed.name_state`)."""
 
     memory_key: ClassVar[str | None] = None
     """The name of its buffers in :meth:`~bubblefree.delay.delayed.DelayedOptimizer.memory_bytes` (None: it
@@ -92,13 +153,15 @@ class Correction:
 
     def __init__(self, params: list[Tensor], delays: list[int], **hparams: Any) -> None:
         self.params, self.delays = params, delays
+        for b in self.buffers:
+            setattr(self, b.name, [b.empty] * len(params))
 
     @classmethod
-    def buffers(cls, delay: int, **hparams: Any) -> int:
-        """Parameter-sized buffers it keeps for one parameter of delay ``delay`` in an asynchronous phase, beside
-        the ``delay`` stashed versions: what the memory plan counts and :meth:`memory_bytes` measures (a test
-        checks the two agree)."""
-        return 0
+    def copies(cls, delay: int, **hparams: Any) -> int:
+        """Parameter-sized tensors its :attr:`buffers` hold for one parameter of delay ``delay`` in an asynchronous
+        phase, beside the ``delay`` stashed versions: what the memory plan counts and :meth:`memory_bytes`
+        measures (a test checks the two agree)."""
+        return sum(b.copies(delay, hparams) for b in cls.buffers)
 
     @classmethod
     def check(cls, hparams: dict[str, Any]) -> None:
@@ -155,11 +218,19 @@ class Correction:
     # ------------------------------------------------------------------------------------------ state
     def memory_bytes(self) -> int:
         """Bytes of the correction's own buffers."""
-        return 0
+        return sum(nbytes(b.tensors(entry)) for b in self.buffers for entry in getattr(self, b.name))
 
     def state_dict(self) -> dict[str, Any]:
-        """Its buffers, by reference, under keys of its own (they sit beside the wrapper's in a checkpoint)."""
-        return {}
+        """Its buffers, by reference: ``{Buffer.key: {parameter index: entry}}`` (they sit beside the wrapper's
+        in a checkpoint)."""
+        return {b.key: {i: b.saved(entry) for i, entry in enumerate(getattr(self, b.name))
+                        if b.kind == "count" or entry is not None} for b in self.buffers}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` from the wrapper's whole state (copied); a missing key is empty."""
+        """Restore :meth:`state_dict` from the wrapper's whole state (copied); a missing key is empty (a
+        checkpoint older than the buffer)."""
+        for b in self.buffers:
+            entries = [b.empty] * len(self.params)
+            for i, value in state.get(b.key, {}).items():
+                entries[int(i)] = b.loaded(value, self.params[int(i)])
+            setattr(self, b.name, entries)

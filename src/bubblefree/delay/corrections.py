@@ -31,5 +31,6 @@ HPARAMS: dict[str, object] = {k: v for cls in CORRECTIONS.values() for k, v in c
 
 def correction_buffers(correction: str, delay: int, **hparams: object) -> int:
     """Parameter-sized buffers ``correction`` keeps for one parameter of delay ``delay`` in an asynchronous phase
-    (:meth:`~bubblefree.delay.correction.Correction.buffers`), beside the ``delay`` stashed versions."""
-    return CORRECTIONS[correction].buffers(delay, **hparams)
+    (:meth:`~bubblefree.delay.correction.Correction.copies` of its declared buffers), beside the ``delay`` stashed
+    versions."""
+    return CORRECTIONS[correction].copies(delay, **hparams)

@@ -46,6 +46,7 @@ from torch import Tensor
 from bubblefree.delay.corrections import CORRECTIONS, HPARAMS
 from bubblefree.errors import UserError
 from bubblefree.optim.base import UpdateOptimizer
+from bubblefree.optim.registry import own_momentum
 
 __all__ = ["CORRECTIONS", "DelayedOptimizer", "build_delayed", "merge_named_states", "name_state",
            "relayout_refusal"]
@@ -71,8 +72,11 @@ class DelayedOptimizer:
         sync_start_steps, sync_cooldown_steps: ``K_s``, ``K_c`` (``K_c > 0`` needs ``total_steps``).
         total_steps: ``T``, the run length.
         **hparams: the corrections' hyperparameters (:data:`~bubblefree.delay.corrections.HPARAMS`:
-            ``ef_beta``, ``taylor_lambda``, ``taylor_adaptive``, ``nesterov_gamma``, ``predict_scale``); every
+            ``ef_beta``, ``taylor_lambda``, ``taylor_adaptive``, ``ema_beta``, ``predict_scale``); every
             one is checked, the chosen correction's are used.
+
+    A correction that is the method's momentum (``update-ema``) is refused around an optimizer that keeps one
+    of its own (:func:`~bubblefree.optim.registry.own_momentum`), as the config refuses it.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, delays: int | Sequence[int] = 0,
@@ -86,6 +90,8 @@ class DelayedOptimizer:
         if kind.needs_updates and not isinstance(optimizer, UpdateOptimizer):
             raise ValueError(f"Invalid correction: {correction!r} needs an UpdateOptimizer (its update u_t before "
                              f"it is applied), got {type(optimizer).__name__}")
+        if kind.owns_momentum:
+            _refuse_own_momentum(optimizer, correction)
         unknown = sorted(set(hparams) - set(HPARAMS))
         if unknown:
             raise TypeError(f"DelayedOptimizer got unexpected keyword arguments: {', '.join(unknown)}")
@@ -323,9 +329,18 @@ class DelayedOptimizer:
         self._switch_phase()  # a run resumed with another total_steps may have to fill or drain now
 
 
-_BUFFERS = ("stash", *dict.fromkeys(key for c in CORRECTIONS.values() for key in c.state_keys))
+_BUFFERS = ("stash", *dict.fromkeys(b.key for c in CORRECTIONS.values() for b in c.buffers))
 """The per-parameter entries of :meth:`DelayedOptimizer.state_dict` besides the inner optimizer's state: the
-stash and every correction's :attr:`~bubblefree.delay.correction.Correction.state_keys`."""
+stash and the keys of every correction's :attr:`~bubblefree.delay.correction.Correction.buffers`."""
+
+
+def _refuse_own_momentum(optimizer: torch.optim.Optimizer, correction: str) -> None:
+    """The library's twin of ``config.validate``'s rule: a correction that is the method's momentum runs around
+    an optimizer without one, or the two momenta compound (docs/delay.md)."""
+    why = own_momentum(optimizer)
+    if why is not None:
+        raise ValueError(f"Invalid correction: {correction!r} is the method's momentum, moved outside the delay, so "
+                         f"it needs an optimizer without one of its own, but {why}")
 
 
 def name_state(state: dict[str, Any], names: Sequence[str]) -> dict[str, Any]:

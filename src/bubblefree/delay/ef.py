@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from bubblefree.delay.correction import Correction, can_hold, nbytes, own
+from bubblefree.delay.correction import Buffer, Correction, can_hold
 
 __all__ = ["ErrorFeedback"]
 
@@ -29,22 +29,18 @@ class ErrorFeedback(Correction):
 
     hparams: ClassVar[dict[str, Any]] = {"ef_beta": 1.0}
     needs_updates = True
-    state_keys = ("ef",)
+    buffers = (Buffer("rings", "ef", kind="ring"),)  # the d updates in flight of a delayed parameter
     memory_key = "ef"
+    rings: list[list[Tensor | None] | None]
 
     def __init__(self, params: list[Tensor], delays: list[int], *, ef_beta: float) -> None:
         super().__init__(params, delays)
         self.beta = float(ef_beta)
-        self.rings: list[list[Tensor | None] | None] = [None] * len(params)
 
     @classmethod
     def check(cls, hparams: dict[str, Any]) -> None:
         if not 0.0 <= hparams["ef_beta"] <= 1.0:
             raise ValueError(f"Invalid ef_beta: {hparams['ef_beta']} (must be in [0, 1])")
-
-    @classmethod
-    def buffers(cls, delay: int, **hparams: Any) -> int:
-        return delay  # the ring of the d updates in flight
 
     def fill(self, i: int, p: Tensor, d: int) -> None:
         self.rings[i] = [None] * d  # u_j = 0 for j < a
@@ -71,14 +67,3 @@ class ErrorFeedback(Correction):
             new = torch.add(p, u.to(p.dtype), alpha=-(1.0 + beta), out=stale)
         ring[slot] = u
         return new, [stale, old]
-
-    def memory_bytes(self) -> int:
-        return sum(map(nbytes, self.rings))
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"ef": {i: list(r) for i, r in enumerate(self.rings) if r is not None}}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.rings = [None] * len(self.params)
-        for i, ring in state.get("ef", {}).items():
-            self.rings[int(i)] = [own(u, self.params[int(i)]) for u in ring]

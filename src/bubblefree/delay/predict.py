@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from bubblefree.delay.correction import Correction, Stash, nbytes, own
+from bubblefree.delay.correction import Buffer, Correction, Stash
 
 __all__ = ["WeightPrediction"]
 
@@ -26,22 +26,18 @@ class WeightPrediction(Correction):
     """``"predict"`` (module docstring): ``predict_scale`` is ``alpha > 0`` (1 extrapolates linearly)."""
 
     hparams: ClassVar[dict[str, Any]] = {"predict_scale": 1.0}
-    state_keys = ("change",)
+    buffers = (Buffer("change", "change"),)  # x_j - x_{j-1} of the newest j, for a delayed parameter
     memory_key = "predict"
+    change: list[Tensor | None]
 
     def __init__(self, params: list[Tensor], delays: list[int], *, predict_scale: float) -> None:
         super().__init__(params, delays)
         self.alpha = float(predict_scale)
-        self.change: list[Tensor | None] = [None] * len(params)  # x_j - x_{j-1} of the newest j
 
     @classmethod
     def check(cls, hparams: dict[str, Any]) -> None:
         if not 0.0 < hparams["predict_scale"] < float("inf"):
             raise ValueError(f"Invalid predict_scale: {hparams['predict_scale']} (must be > 0; 0 is the plain delay)")
-
-    @classmethod
-    def buffers(cls, delay: int, **hparams: Any) -> int:
-        return int(delay > 0)  # the last change of a delayed parameter
 
     def fill(self, i: int, p: Tensor, d: int) -> None:
         self.change[i] = torch.zeros_like(p)
@@ -62,14 +58,3 @@ class WeightPrediction(Correction):
         if self.change[i] is None:
             return None
         return torch.add(p.detach(), self.change[i], alpha=self.alpha * d)  # x^ = x_t + alpha d (x_t - x_{t-1})
-
-    def memory_bytes(self) -> int:
-        return nbytes(self.change)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"change": {i: b for i, b in enumerate(self.change) if b is not None}}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.change = [None] * len(self.params)
-        for i, b in state.get("change", {}).items():
-            self.change[int(i)] = own(b, self.params[int(i)])

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from bubblefree.delay.correction import Correction, Stash, nbytes, own
+from bubblefree.delay.correction import Buffer, Correction, Stash
 
 __all__ = ["DC_ASGD_A_DECAY", "DC_ASGD_A_EPS", "Taylor"]
 
@@ -28,8 +28,10 @@ class Taylor(Correction):
     """``"taylor"`` (module docstring): ``taylor_lambda > 0``; ``taylor_adaptive`` for DC-ASGD-a."""
 
     hparams: ClassVar[dict[str, Any]] = {"taylor_lambda": 0.0, "taylor_adaptive": False}
-    state_keys = ("mean_square",)
+    # DC-ASGD-a's v of a delayed parameter (made at its first compensated gradient; kept over the switches)
+    buffers = (Buffer("mean_square", "mean_square", only_with="taylor_adaptive"),)
     memory_key = "taylor"
+    mean_square: list[Tensor | None]
 
     def __init__(self, params: list[Tensor], delays: list[int], *, taylor_lambda: float,
                  taylor_adaptive: bool) -> None:
@@ -38,7 +40,6 @@ class Taylor(Correction):
                              "plain delay, correction 'none')")
         super().__init__(params, delays)
         self.lam, self.adaptive = float(taylor_lambda), taylor_adaptive
-        self.mean_square: list[Tensor | None] = [None] * len(params)
 
     @classmethod
     def check(cls, hparams: dict[str, Any]) -> None:
@@ -46,10 +47,6 @@ class Taylor(Correction):
             raise ValueError(f"Invalid taylor_lambda: {hparams['taylor_lambda']} (must be >= 0)")
         if not isinstance(hparams["taylor_adaptive"], bool):
             raise ValueError(f"Invalid taylor_adaptive: {hparams['taylor_adaptive']!r} (must be a bool)")
-
-    @classmethod
-    def buffers(cls, delay: int, *, taylor_adaptive: bool = False, **hparams: Any) -> int:
-        return int(delay > 0 and taylor_adaptive)  # DC-ASGD-a's mean square of a delayed parameter
 
     def before_update(self, core: Stash, delayed: list[int], slot: list[int]) -> None:
         """``g <- g + lambda_t * g * g * (x_t - x_{t-d})`` in place."""
@@ -71,14 +68,3 @@ class Taylor(Correction):
             torch._foreach_sqrt_(denom)
             torch._foreach_div_(diff, denom)
         torch._foreach_addcmul_(grads, diff, grads, value=self.lam)
-
-    def memory_bytes(self) -> int:
-        return nbytes(self.mean_square)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"mean_square": {i: b for i, b in enumerate(self.mean_square) if b is not None}}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.mean_square = [None] * len(self.params)
-        for i, b in state.get("mean_square", {}).items():
-            self.mean_square[int(i)] = own(b, self.params[int(i)])

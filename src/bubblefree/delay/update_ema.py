@@ -1,7 +1,7 @@
 """An outer exponential moving average of the inner optimizer's finished updates (``"update-ema"``, and
 ``"nesterov"``, its first form without bias correction).
 
-The live parameters hold ``y_t``; with ``gamma = nesterov_gamma``::
+The live parameters hold ``y_t``; with ``gamma = ema_beta`` (``delay.ema_beta``, formerly ``nesterov_gamma``)::
 
     b_{t+1} = gamma b_t + (1 - gamma) u_t,      b_0 = 0
     y_{t+1} = y_t - (1 - gamma) u_t - gamma b_{t+1} / c_{t+1}
@@ -20,9 +20,10 @@ on the stale gradients with ``correction = "none"``, its look-ahead being NAdam'
 ``"update-ema"`` is the method's momentum, moved outside the delay, so it runs around a momentum-free
 optimizer: the config refuses it unless ``optim.momentum = 0`` (AdamW beta1 = 0, Muon mu = 0, Lion's
 beta2 = 0, which makes it signSGD), and refuses Adan, whose average of gradient differences stays at any
-knob. With the inner momentum ``beta`` left on, ``u_t`` would already be an average of past gradients and
-``b`` an average of that average: the two momenta compound, a gradient reaching the weights through two
-EMAs in series whose mean lags add (``beta / (1 - beta) + gamma / (1 - gamma)`` steps, 9 + 99 at 0.9 and 0.99).
+knob; ``DelayedOptimizer`` built directly refuses the same (``optim.registry.own_momentum``). With the inner
+momentum ``beta`` left on, ``u_t`` would already be an average of past gradients and ``b`` an average of that
+average: the two momenta compound, a gradient reaching the weights through two EMAs in series whose mean lags
+add (``beta / (1 - beta) + gamma / (1 - gamma)`` steps, 9 + 99 at 0.9 and 0.99).
 ``"nesterov"`` keeps its first form, around the optimizer at any momentum (the runs made with it keep their
 ids and numbers). Muon's and MARS's AdamW groups (embeddings, head, norms) keep beta1 0.9 whatever the knob:
 there the two momenta still compound.
@@ -51,36 +52,33 @@ from typing import Any, ClassVar
 
 from torch import Tensor
 
-from bubblefree.delay.correction import Correction, Stash, nbytes, own
+from bubblefree.delay.correction import Buffer, Correction, Stash
 
 __all__ = ["UncorrectedUpdateEMA", "UpdateEMA"]
 
 
 class UpdateEMA(Correction):
-    """``"update-ema"`` (module docstring): the bias-corrected EMA of the updates, ``nesterov_gamma`` in ``[0, 1)``,
-    around an optimizer without momentum of its own."""
+    """``"update-ema"`` (module docstring): the bias-corrected EMA of the updates, ``ema_beta`` in ``[0, 1)``,
+    around an optimizer without momentum of its own (``DelayedOptimizer`` refuses one that has)."""
 
-    hparams: ClassVar[dict[str, Any]] = {"nesterov_gamma": 0.99}
+    hparams: ClassVar[dict[str, Any]] = {"ema_beta": 0.99}
     needs_updates = True
-    state_keys = ("momentum", "momentum_count")
+    # b, for every parameter (delayed or not), and n, the updates it has taken (the bias correction's exponent)
+    buffers = (Buffer("momentum", "momentum", held="every"), Buffer("count", "momentum_count", kind="count"))
     memory_key = "nesterov"  # the key memory reports have used since the first form
     owns_momentum = True
     bias_correction: ClassVar[bool] = True
+    momentum: list[Tensor | None]
+    count: list[int]
 
-    def __init__(self, params: list[Tensor], delays: list[int], *, nesterov_gamma: float) -> None:
+    def __init__(self, params: list[Tensor], delays: list[int], *, ema_beta: float) -> None:
         super().__init__(params, delays)
-        self.gamma = float(nesterov_gamma)
-        self.momentum: list[Tensor | None] = [None] * len(params)
-        self.count = [0] * len(params)  # n: the updates b has taken
-
-    @classmethod
-    def buffers(cls, delay: int, **hparams: Any) -> int:
-        return 1  # b, for every parameter (delayed or not)
+        self.gamma = float(ema_beta)
 
     @classmethod
     def check(cls, hparams: dict[str, Any]) -> None:
-        if not 0.0 <= hparams["nesterov_gamma"] < 1.0:
-            raise ValueError(f"Invalid nesterov_gamma: {hparams['nesterov_gamma']} (must be in [0, 1))")
+        if not 0.0 <= hparams["ema_beta"] < 1.0:
+            raise ValueError(f"Invalid ema_beta: {hparams['ema_beta']} (must be in [0, 1))")
 
     def apply(self, core: Stash, updates: list[Tensor | None], delays: list[int],
               slot: list[int]) -> list[Tensor]:
@@ -90,7 +88,8 @@ class UpdateEMA(Correction):
             if u is not None:  # b_{t+1} = gamma b_t + (1 - gamma) u_t   (b_0 = 0)
                 b = u.mul(1.0 - gamma) if b is None else b.mul_(gamma).add_(u, alpha=1.0 - gamma)
                 self.momentum[i] = b
-                self.count[i] += 1
+                if self.bias_correction:
+                    self.count[i] += 1
             new = p if d == 0 else core.stash[i][slot[i]]
             if d > 0:
                 new.copy_(p)
@@ -102,27 +101,11 @@ class UpdateEMA(Correction):
                 core.rotate(i, slot[i], new)
         return [u for u in updates if u is not None]  # b holds its own copy
 
-    def memory_bytes(self) -> int:
-        return nbytes(self.momentum)
-
-    def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"momentum": {i: b for i, b in enumerate(self.momentum) if b is not None}}
-        if self.bias_correction:
-            state["momentum_count"] = dict(enumerate(self.count))
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.momentum = [None] * len(self.params)
-        for i, b in state.get("momentum", {}).items():
-            self.momentum[int(i)] = own(b, self.params[int(i)])
-        self.count = [0] * len(self.params)
-        for i, n in state.get("momentum_count", {}).items():
-            self.count[int(i)] = int(n)
-
 
 class UncorrectedUpdateEMA(UpdateEMA):
     """``"nesterov"``: :class:`UpdateEMA` without the bias correction (``c = 1``) and around the optimizer at any
     momentum, as the project first ran it; the name is kept so that those runs keep their ids and meaning."""
 
+    buffers = UpdateEMA.buffers[:1]  # no count: nothing divides by a bias correction
     owns_momentum = False
     bias_correction = False

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from bubblefree.config import Config, config_to_dict
+from bubblefree.config import RENAMED, Config, config_to_dict
 from bubblefree.train import train
 from bubblefree.train.metrics import METRICS_FILE, read_metrics
 
@@ -84,7 +84,7 @@ _ORIGINAL_KEYS = frozenset(
 NEUTRAL: dict[str, Any] = {
     "train.compile": False,
     "delay.taylor_adaptive": False,  # DC-ASGD-a: off is the plain Taylor rule
-    "delay.nesterov_gamma": 0.99,  # the value hard-coded before the key existed
+    "delay.ema_beta": 0.99,  # the value hard-coded before the key existed (as delay.nesterov_gamma)
     "delay.predict_scale": 1.0,  # acts only with delay.correction = predict, added with it
     "train.test_split": False,  # off: every evaluation window is validation, as before the key existed
     "optim.momentum_decay": 0.004,  # acts only with optim.name = nadamw, added with it
@@ -96,10 +96,13 @@ computes exactly what it computed before the key existed. A key at its neutral v
 adding a key never orphans finished results, while any other value (a change that affects training) gives a
 new id. A new key must be entered here (a test checks that every key is one or the other)."""
 
+_FIRST_NAMES = {new: old for old, new in RENAMED.items()}
+"""A renamed key's name when runs were first hashed: it keeps that name in the id (``config.RENAMED``)."""
+
 
 def identity(config: Config) -> dict[str, dict[str, Any]]:
     """The part of ``config`` a run's id hashes: every section but ``log`` (it changes nothing the run
-    computes), without the keys that sit at their :data:`NEUTRAL` value."""
+    computes), without the keys that sit at their :data:`NEUTRAL` value, a renamed key under its first name."""
     out: dict[str, dict[str, Any]] = {}
     for section, table in config_to_dict(config).items():
         if section == "log":
@@ -110,7 +113,7 @@ def identity(config: Config) -> dict[str, dict[str, Any]]:
             if dotted not in _ORIGINAL_KEYS and dotted not in NEUTRAL:
                 raise KeyError(f"config key {dotted} has no neutral value in experiments.runner.NEUTRAL")
             if dotted in _ORIGINAL_KEYS or value != NEUTRAL[dotted]:
-                out[section][key] = value
+                out[section][_FIRST_NAMES.get(dotted, dotted).partition(".")[2]] = value
     return out
 
 

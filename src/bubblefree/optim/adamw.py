@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from bubblefree.optim.base import UpdateOptimizer, check_betas, check_nonneg
+from bubblefree.optim.base import UpdateOptimizer, check_betas, check_nonneg, decayed_weights
 
 __all__ = ["AdamW", "WithAdamWGroups", "adamw_updates", "init_adamw_state"]
 
@@ -62,7 +62,7 @@ def _single_tensor_adamw(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, bet
         m.lerp_(g, 1 - beta1)
         v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
         denom = (v.sqrt() / math.sqrt(1 - beta2**t)).add_(eps)
-        u = torch.mul(p, lr * weight_decay) if weight_decay != 0 else torch.zeros_like(p)
+        (u,) = decayed_weights([p], [torch.empty_like(p)], lr=lr, weight_decay=weight_decay)
         updates.append(u.addcdiv_(m, denom, value=lr / (1 - beta1**t)))
     return updates
 
@@ -87,11 +87,7 @@ def _fused_adamw(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta
     # buf = lr wd x; the kernel run with -lr computes buf <- buf + adam_step = u, rounded exactly as the negation
     # of buf = -lr wd x minus the step (round-to-nearest is symmetric), so no separate negation pass.
     bufs = out if out is not None else [torch.empty_like(p, memory_format=torch.preserve_format) for p in params]
-    if weight_decay != 0:
-        for p, b in zip(params, bufs, strict=True):
-            torch.mul(p, lr * weight_decay, out=b)
-    else:
-        torch._foreach_zero_(bufs)
+    decayed_weights(params, bufs, lr=lr, weight_decay=weight_decay)
     torch._foreach_add_(steps, 1)
     torch._fused_adam_(bufs, list(grads), list(exp_avgs), list(exp_avg_sqs), [], list(steps), amsgrad=False,
                        lr=-lr, beta1=beta1, beta2=beta2, weight_decay=0.0, eps=eps, maximize=False)

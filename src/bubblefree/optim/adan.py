@@ -27,7 +27,14 @@ import math
 import torch
 from torch import Tensor
 
-from bubblefree.optim.base import UpdateOptimizer, check_betas, check_nonneg, group_by_step, use_foreach
+from bubblefree.optim.base import (
+    UpdateOptimizer,
+    check_betas,
+    check_nonneg,
+    decayed_weights,
+    group_by_step,
+    use_foreach,
+)
 
 __all__ = ["Adan", "adan_updates"]
 
@@ -66,11 +73,7 @@ def adan_updates(params: list[Tensor], grads: list[Tensor], state: dict[str, lis
             torch.sqrt(v_, out=d)  # prev holds D
         torch._foreach_div_(prev, bc3)
         torch._foreach_add_(prev, eps)
-        if weight_decay != 0:
-            for p, u in zip(params, out, strict=True):
-                torch.mul(p, lr * weight_decay, out=u)
-        else:
-            torch._foreach_zero_(out)
+        decayed_weights(params, out, lr=lr, weight_decay=weight_decay)
         torch._foreach_addcdiv_(out, m, prev, c1)
         torch._foreach_addcdiv_(out, n, prev, c2)
         if weight_decay != 0 and prox:
@@ -84,7 +87,7 @@ def adan_updates(params: list[Tensor], grads: list[Tensor], state: dict[str, lis
         z = d.mul_(beta2).add_(g)
         v_.mul_(beta3).addcmul_(z, z, value=1 - beta3)
         denom = torch.sqrt(v_, out=d).div_(bc3).add_(eps)
-        torch.mul(p, lr * weight_decay, out=u) if weight_decay != 0 else u.zero_()
+        decayed_weights([p], [u], lr=lr, weight_decay=weight_decay)
         u.addcdiv_(m_, denom, value=c1).addcdiv_(n_, denom, value=c2)
         if weight_decay != 0 and prox:
             u.div_(1 + lr * weight_decay)

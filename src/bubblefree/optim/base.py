@@ -28,7 +28,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["UpdateOptimizer", "apply_updates", "check_betas", "check_nonneg", "group_by_step", "use_foreach"]
+__all__ = ["UpdateOptimizer", "apply_updates", "check_betas", "check_nonneg", "decayed_weights", "group_by_step",
+           "use_foreach"]
 
 
 def check_nonneg(name: str, value: float) -> None:
@@ -65,6 +66,19 @@ def group_by_step(state: dict, params: Sequence[Tensor]) -> dict[float, list[int
     for i, p in enumerate(params):
         by_step.setdefault(state[p]["step"].item(), []).append(i)
     return by_step
+
+
+def decayed_weights(params: Sequence[Tensor], out: Sequence[Tensor], *, lr: float,
+                    weight_decay: float) -> Sequence[Tensor]:
+    """Start each update at its decoupled weight decay: ``out <- lr wd x`` (zeros where ``wd = 0``), the buffers
+    into which a rule then adds its step (AdamW's fused path, Adan, NAdamW). Written out of place into ``out``, so
+    the parameters are only read and the step's own terms are added to an exact ``lr wd x``."""
+    if weight_decay != 0:
+        for p, u in zip(params, out, strict=True):
+            torch.mul(p, lr * weight_decay, out=u)
+    else:
+        torch._foreach_zero_(list(out))
+    return out
 
 
 @torch.no_grad()

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from bubblefree.optim.adamw import check_adamw_hparams
-from bubblefree.optim.base import UpdateOptimizer, check_nonneg, group_by_step, use_foreach
+from bubblefree.optim.base import UpdateOptimizer, check_nonneg, decayed_weights, group_by_step, use_foreach
 
 __all__ = ["NAdamW", "nadamw_updates"]
 
@@ -67,11 +67,7 @@ def nadamw_updates(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Ten
         denoms = torch._foreach_div(exp_avg_sqs, bc2)
         torch._foreach_sqrt_(denoms)
         torch._foreach_add_(denoms, eps)
-        if weight_decay != 0:
-            for p, u in zip(params, out, strict=True):
-                torch.mul(p, lr * weight_decay, out=u)
-        else:
-            torch._foreach_zero_(out)
+        decayed_weights(params, out, lr=lr, weight_decay=weight_decay)
         torch._foreach_addcdiv_(out, grads, denoms, c_grad)
         torch._foreach_addcdiv_(out, exp_avgs, denoms, c_avg)
         return out
@@ -79,7 +75,7 @@ def nadamw_updates(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Ten
         m.lerp_(g, 1 - beta1)
         v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
         denom = v.div(bc2).sqrt_().add_(eps)
-        torch.mul(p, lr * weight_decay, out=u) if weight_decay != 0 else u.zero_()
+        decayed_weights([p], [u], lr=lr, weight_decay=weight_decay)
         u.addcdiv_(g, denom, value=c_grad).addcdiv_(m, denom, value=c_avg)
     return out
 

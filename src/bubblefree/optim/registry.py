@@ -1,14 +1,15 @@
 """One table of the project's optimizers and ``build_optimizer(model, cfg)``, which routes parameters.
 
-Each :class:`OptimizerSpec` holds the LLM-pretraining defaults (docs/optimizers.md), how the one
-``momentum`` knob (docs/spec.md section 7) maps onto the optimizer's own coefficients, whether hidden matrices
-get their own rule (Muon, MARS: embeddings, head, norms and biases go to AdamW groups), and a factory for the
-installed reference implementation that the tests and the benchmark compare against. Adding an optimizer is
-one entry in :data:`OPTIMIZERS`.
+Each :class:`OptimizerSpec` names the optimizer's class, which coefficient the one ``momentum`` knob
+(docs/spec.md section 7) sets, whether hidden matrices get their own rule (Muon, MARS: embeddings, head, norms
+and biases go to AdamW groups), and a factory for the installed reference implementation that the tests and the
+benchmark compare against. Adding an optimizer is one entry in :data:`OPTIMIZERS`.
 
-The defaults are applied here alone: :func:`resolve_defaults` turns a config's "take the default" values into
-the registry's, and what it returns is what :func:`build_optimizer` builds, what the training loop records in
-a run's config.toml and checkpoints, and what docs/optimizers.md tabulates (:func:`defaults_markdown`).
+The LLM-pretraining defaults (docs/optimizers.md) are written once, in each class's constructor signature; the
+spec reads them from there (:func:`class_defaults`). They are applied here alone: :func:`resolve_defaults` turns
+a config's "take the default" values into them, and what it returns is what :func:`build_optimizer` builds, what
+the training loop records in a run's config.toml and checkpoints, and what docs/optimizers.md tabulates
+(:func:`defaults_markdown`).
 
 Routing: a parameter is a *hidden matrix* when ``p.ndim >= 2`` and its name contains neither ``embed`` nor
 ``lm_head`` (tied weights appear once in ``named_parameters``), as docs/architecture.md fixes.
@@ -17,7 +18,10 @@ Routing: a parameter is a *hidden matrix* when ``p.ndim >= 2`` and its name cont
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -35,31 +39,34 @@ from bubblefree.optim.muon import Muon
 from bubblefree.optim.nadamw import NAdamW
 from bubblefree.optim.soap import SOAP
 
-__all__ = ["OPTIMIZERS", "OptimizerSpec", "build_optimizer", "defaults_markdown", "is_hidden_matrix", "param_groups",
-           "resolve_defaults", "state_numel"]
+__all__ = ["OPTIMIZERS", "OptimizerSpec", "build_optimizer", "class_defaults", "defaults_markdown", "is_hidden_matrix",
+           "own_momentum", "param_groups", "resolve_defaults", "state_numel"]
+
+
+@functools.cache
+def class_defaults(cls: type) -> dict[str, Any]:
+    """The default of every constructor argument of ``cls`` that has one (:func:`inspect.signature`): the one place
+    an optimizer's defaults are written."""
+    return {name: p.default for name, p in inspect.signature(cls).parameters.items()
+            if p.default is not inspect.Parameter.empty}
 
 
 @dataclass(frozen=True, kw_only=True)
 class OptimizerSpec:
-    """How to build one optimizer for LLM pretraining and what to compare it against."""
+    """How to build one optimizer for LLM pretraining and what to compare it against. Its defaults (:attr:`lr`,
+    :attr:`betas`, :attr:`weight_decay`, :attr:`momentum`, ...) are its class's (:func:`class_defaults`)."""
 
     cls: type[UpdateOptimizer]
     """The optimizer class (an :class:`~bubblefree.optim.base.UpdateOptimizer`)."""
 
-    lr: float
-    """Default peak learning rate."""
+    knob: str = "betas[0]"
+    """The constructor argument the momentum knob sets: ``"betas[i]"``, the ``i``-th beta (the others keep their
+    defaults), or a scalar argument (Muon's ``"momentum"``, mu). The knob's default is the class default there."""
 
-    betas: tuple[float, ...] | None
-    """Default betas (None for Muon, whose coefficient is ``momentum``)."""
-
-    weight_decay: float
-    """Default decoupled weight decay of the class (``build_optimizer`` takes ``cfg.weight_decay``)."""
-
-    momentum: float
-    """Default value of the momentum knob."""
-
-    momentum_kwargs: Callable[[float], dict[str, Any]]
-    """Maps the knob's value to constructor keyword arguments (AdamW/MARS ``beta1``, Muon ``mu``, ...)."""
+    tied: bool = False
+    """With a ``betas[i]`` knob: the other betas follow it, keeping the defaults' ratio of time constants,
+    ``1 - beta_j = (1 - default_j) / (1 - default_i) * (1 - m)`` (at least 0). Lion: its knob is the memory
+    ``beta2``, and ``beta1`` follows."""
 
     momentum_free: bool = True
     """Whether the knob at 0 leaves the rule without a running average of past gradients (a second moment is
@@ -70,12 +77,6 @@ class OptimizerSpec:
     route_key: str | None = None
     """Group flag that selects the matrix rule (``use_muon``, ``use_mars``); None: one rule for every parameter."""
 
-    adamw_lr: float = 0.0
-    """Default lr of the AdamW groups when ``route_key`` is set."""
-
-    max_precond_dim: int = 0
-    """Default of the ``max_precond_dim`` option (SOAP's longest preconditioned dimension); 0: no such option."""
-
     reference: Callable[..., torch.optim.Optimizer] | None = None
     """``reference(params_or_groups, **hparams)``: the installed implementation we are tested against."""
 
@@ -84,6 +85,68 @@ class OptimizerSpec:
     0-d ``step`` counter included) once it has stepped; None: AdamW's ``2n + 1``. Only the matrix rule's when
     ``route_key`` is set: the other parameters are AdamW's. The memory plan (``bubblefree plan``) counts with
     it; a test checks it against every optimizer's real state."""
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        """The class's constructor defaults."""
+        return class_defaults(self.cls)
+
+    @property
+    def lr(self) -> float:
+        """Default peak learning rate."""
+        return self.defaults["lr"]
+
+    @property
+    def betas(self) -> tuple[float, ...] | None:
+        """Default betas (None for Muon, whose coefficient is ``momentum``)."""
+        betas = self.defaults.get("betas")
+        return None if betas is None else tuple(betas)
+
+    @property
+    def weight_decay(self) -> float:
+        """Default decoupled weight decay of the class (``build_optimizer`` takes ``cfg.weight_decay``)."""
+        return self.defaults["weight_decay"]
+
+    @property
+    def adamw_lr(self) -> float:
+        """Default lr of the AdamW groups when ``route_key`` is set (else 0)."""
+        return self.defaults["adamw_lr"] if self.route_key is not None else 0.0
+
+    @property
+    def max_precond_dim(self) -> int:
+        """Default of the ``max_precond_dim`` option (SOAP's longest preconditioned dimension); 0: no such option."""
+        return self.defaults.get("max_precond_dim", 0)
+
+    @property
+    def _knob(self) -> tuple[str, int | None]:
+        name, index = re.fullmatch(r"(\w+)(?:\[(\d+)\])?", self.knob).groups()
+        return name, None if index is None else int(index)
+
+    @property
+    def momentum(self) -> float:
+        """Default value of the momentum knob: the class default of the coefficient it sets."""
+        name, i = self._knob
+        return self.defaults[name] if i is None else self.defaults[name][i]
+
+    def momentum_kwargs(self, m: float) -> dict[str, Any]:
+        """The constructor keyword arguments the knob at ``m`` gives (:attr:`knob`, :attr:`tied`)."""
+        name, i = self._knob
+        if i is None:
+            return {name: m}
+        default = self.defaults[name]
+
+        def follow(b: float) -> float:  # the same time-constant ratio to the knob's beta as the defaults have
+            return max(0.0, 1.0 - (1.0 - b) / (1.0 - default[i]) * (1.0 - m))
+
+        return {name: tuple(m if j == i else follow(b) if self.tied else b for j, b in enumerate(default))}
+
+    def momenta(self, group: dict[str, Any]) -> dict[str, float]:
+        """The coefficients of ``group`` that the knob sets, by name (``{"betas[0]": 0.9}``); the knob at 0 sets
+        them all to 0."""
+        name, i = self._knob
+        if i is None:
+            return {name: group[name]}
+        return {f"{name}[{j}]": b for j, b in enumerate(group[name]) if j == i or self.tied}
 
 
 def _torch_adamw(params, **kw):
@@ -119,35 +182,51 @@ def _nadamw_state(shape: tuple[int, ...], max_precond_dim: int) -> int:
     return _adamw_state(shape, max_precond_dim) + 1  # and mu_product, the momentum schedule's running product
 
 
-def _lion_betas(beta2: float) -> dict[str, Any]:
-    # The knob is Lion's memory beta2; beta1 keeps the default pair's (0.95, 0.98) ratio of time constants.
-    return {"betas": (max(0.0, 1.0 - 2.5 * (1.0 - beta2)), beta2)}
-
-
 OPTIMIZERS: dict[str, OptimizerSpec] = {
-    "adamw": OptimizerSpec(cls=AdamW, lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1, momentum=0.9,
-                           momentum_kwargs=lambda m: {"betas": (m, 0.95)}, reference=_torch_adamw),
-    "muon": OptimizerSpec(cls=Muon, lr=0.02, betas=None, weight_decay=0.1, momentum=0.95,
-                          momentum_kwargs=lambda m: {"momentum": m}, route_key="use_muon", adamw_lr=3e-3,
-                          reference=torch.optim.Muon, state=lambda shape, _: math.prod(shape)),  # momentum
-    "lion": OptimizerSpec(cls=Lion, lr=1e-4, betas=(0.95, 0.98), weight_decay=0.5, momentum=0.98,
-                          momentum_kwargs=_lion_betas, reference=_po("Lion"),
+    "adamw": OptimizerSpec(cls=AdamW, reference=_torch_adamw),
+    "muon": OptimizerSpec(cls=Muon, knob="momentum", route_key="use_muon", reference=torch.optim.Muon,
+                          state=lambda shape, _: math.prod(shape)),  # momentum
+    "lion": OptimizerSpec(cls=Lion, knob="betas[1]", tied=True, reference=_po("Lion"),
                           state=lambda shape, _: math.prod(shape) + 1),  # exp_avg, step
-    "adan": OptimizerSpec(cls=Adan, lr=2.5e-3, betas=(0.98, 0.92, 0.99), weight_decay=0.05, momentum=0.98,
-                          momentum_kwargs=lambda m: {"betas": (m, 0.92, 0.99)}, reference=_po("Adan"),
+    "adan": OptimizerSpec(cls=Adan, reference=_po("Adan"),
                           state=lambda shape, _: 4 * math.prod(shape) + 1,  # m, n, v, previous gradient, step
                           momentum_free=False),  # n, the average of gradient differences, keeps beta2
-    "mars": OptimizerSpec(cls=MARS, lr=6e-3, betas=(0.95, 0.99), weight_decay=0.1, momentum=0.95,
-                          momentum_kwargs=lambda m: {"betas": (m, 0.99)}, route_key="use_mars", adamw_lr=3e-3,
-                          reference=_po("MARS"), state=lambda shape, _: 3 * math.prod(shape) + 1),  # m, v, last g
-    "soap": OptimizerSpec(cls=SOAP, lr=3e-3, betas=(0.95, 0.95), weight_decay=0.01, momentum=0.95,
-                          momentum_kwargs=lambda m: {"betas": (m, 0.95)}, max_precond_dim=10000,
-                          reference=_po("SOAP"), state=_soap_state),
-    "nadamw": OptimizerSpec(cls=NAdamW, lr=6e-4, betas=(0.9, 0.999), weight_decay=0.1, momentum=0.9,
-                            momentum_kwargs=lambda m: {"betas": (m, 0.999)}, reference=_torch_nadamw,
-                            state=_nadamw_state),
+    "mars": OptimizerSpec(cls=MARS, route_key="use_mars", reference=_po("MARS"),
+                          state=lambda shape, _: 3 * math.prod(shape) + 1),  # m, v, last g
+    "soap": OptimizerSpec(cls=SOAP, reference=_po("SOAP"), state=_soap_state),
+    "nadamw": OptimizerSpec(cls=NAdamW, reference=_torch_nadamw, state=_nadamw_state),
 }
 """The optimizers selectable as ``optim.name``."""
+
+
+def own_momentum(optimizer: torch.optim.Optimizer) -> str | None:
+    """Why ``optimizer`` keeps a momentum (a running average of past gradients) of its own, saying how to remove
+    it, or None: the library's form of ``config.validate``'s rule for the corrections that are the method's
+    momentum (``delay.correction = "update-ema"``, docs/delay.md).
+
+    An optimizer of :data:`OPTIMIZERS` is read through its spec: one that is never free of a momentum
+    (:attr:`OptimizerSpec.momentum_free`: Adan) is named; otherwise the coefficients the knob sets
+    (:meth:`OptimizerSpec.momenta`: AdamW's beta1, Muon's mu, Lion's two betas, ...) must be 0 in the groups of
+    its own rule (the knob leaves Muon's and MARS's AdamW groups at beta1 0.9, and so does the config). Another
+    optimizer is read by torch's names: a group's ``momentum``, and ``betas[0]``."""
+    cls = type(optimizer)
+    spec = next((s for s in OPTIMIZERS.values() if s.cls is cls), None)
+    if spec is not None and not spec.momentum_free:
+        return f"{cls.__name__} keeps one at any setting (its average of gradient differences): choose another one"
+    for group in optimizer.param_groups:
+        if spec is not None and spec.route_key is not None and not group[spec.route_key]:
+            continue
+        if spec is not None:
+            momenta = spec.momenta(group)
+        else:
+            momenta = {"momentum": group["momentum"]} if "momentum" in group else {}
+            if "betas" in group:
+                momenta["betas[0]"] = group["betas"][0]
+        on = {k: v for k, v in momenta.items() if v != 0}
+        if on:
+            return (f"{cls.__name__} has {', '.join(f'{k} = {v}' for k, v in on.items())}: set "
+                    f"{'it' if len(on) == 1 else 'them'} to 0 (in a config, optim.momentum = 0)")
+    return None
 
 
 def is_hidden_matrix(name: str, p: torch.Tensor) -> bool:
