@@ -6,8 +6,8 @@
     bubblefree plan [--preset NAME] [--config FILE.toml] [--set KEY=VALUE ...] [--replicas R]
                     [--schedules a,b,...] [--costs F:B:W[:U]] [--steps T] [--out DIR]
     bubblefree bench {train,optim,delay,pipeline,time-to-loss,device} [--out DIR] [--tiny] [--point K] [--seeds N]
-    bubblefree reproduce SUITE [--scale smoke|cpu|long|long4x|gpu] [--out DIR] [--seeds N] [--optimizers A,B,...]
-                         [--config FILE.toml] [--set KEY=VALUE ...] [--report | --dry-run]
+    bubblefree reproduce SUITE [--scale smoke|smoke4x|cpu|long|long4x|gpu] [--out DIR] [--seeds N]
+                         [--optimizers A,B,...] [--config FILE.toml] [--set KEY=VALUE ...] [--report | --dry-run]
     bubblefree export RUN_OR_CHECKPOINT --format hf --out DIR
 
 Exit codes: 0 success; 2 invalid input (one line on stderr naming the problem, nothing written or
@@ -129,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "skipped, so an interrupted suite continues where it stopped.")
     reproduce.add_argument("suite", metavar="SUITE", help="optimizers, error-feedback, momentum, mitigations, "
                                                           "schedules, sensitivity, moe, horizon or steps")
-    reproduce.add_argument("--scale", choices=("smoke", "cpu", "long", "long4x", "gpu"), default="cpu",
+    reproduce.add_argument("--scale", choices=("smoke", "smoke4x", "cpu", "long", "long4x", "gpu"), default="cpu",
                            help="smoke: minutes; cpu (default): 38 min for optimizers on 2 cores; long: 20 tokens "
                                 "per parameter, ~10 min per run on one core; long4x: the same tokens in 4x the "
                                 "steps, every arm tuned, ~15 min per run; gpu: 135M runs")
