@@ -115,9 +115,9 @@ def _expect_user_error(capsys, argv, fragment):
 @pytest.mark.parametrize("args, fragment", [
     (["--preset", "smoky"], "Invalid preset: 'smoky' (did you mean 'smoke'?)"),
     (["--set", "optim.lrr=1"], "valid keys of [optim]"),
-    (["--set", "train.steps=ten"], "train.steps: 'ten' (expected int)"),
-    (["--set", "train.batch_size=0"], "train.batch_size: 0 (must be > 0)"),
-    (["--set", "train.seq_len=-8"], "train.seq_len: -8 (must be > 0)"),
+    (["--set", "train.steps=ten"], "train.steps: 'ten' (expected int in [1, 99999999])"),
+    (["--set", "train.batch_size=0"], "train.batch_size: 0 (must be >= 1"),
+    (["--set", "train.seq_len=-8"], "train.seq_len: -8 (must be >= 1"),
     (["--config", "/nonexistent/run.toml"], "does not exist"),
     (["--preset", "smoke"], "already holds a run"),
 ])

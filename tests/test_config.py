@@ -94,9 +94,9 @@ def test_unknown_keys_list_the_valid_ones(text, fragments):
 
 
 @pytest.mark.parametrize("toml, fragment", [
-    ("[train]\nsteps = \"ten\"\n", "train.steps: 'ten' (expected int)"),
-    ("[train]\nsteps = true\n", "train.steps: True (expected int)"),  # bool is an int in Python, not here
-    ("[train]\nsteps = 2.0\n", "train.steps: 2.0 (expected int)"),
+    ("[train]\nsteps = \"ten\"\n", "train.steps: 'ten' (expected int in [1, 99999999])"),
+    ("[train]\nsteps = true\n", "train.steps: True (expected int"),  # bool is an int in Python, not here
+    ("[train]\nsteps = 2.0\n", "train.steps: 2.0 (expected int"),
     ("[log]\nprogress = 1\n", "log.progress: 1 (expected bool)"),
     ("steps = 3\n", "top-level key 'steps'"),
     ("[train]\nstep = 3\n", "did you mean train.steps"),
@@ -123,14 +123,14 @@ def test_missing_config_file(tmp_path):
 
 
 @pytest.mark.parametrize("override, fragment", [
-    ("train.steps=0", "train.steps: 0 (must be > 0)"),
-    ("train.batch_size=-4", "train.batch_size: -4 (must be > 0)"),
+    ("train.steps=0", "train.steps: 0 (must be in [1, 99999999]; a checkpoint's name holds its step in 8 digits)"),
+    ("train.batch_size=-4", "train.batch_size: -4 (must be >= 1 and at most what the machine's memory holds)"),
     ("train.seq_len=0", "train.seq_len: 0"),
     ("pipeline.stages=0", "pipeline.stages: 0"),
     ("pipeline.microbatches=-1", "pipeline.microbatches: -1"),
-    ("train.eval_every=-1", "train.eval_every: -1 (must be >= 0)"),
+    ("train.eval_every=-1", "train.eval_every: -1 (must be in [0, 2^63-1])"),
     ("optim.lr=-0.1", "optim.lr: -0.1"),
-    ("optim.lr=nan", "optim.lr: nan (must be finite)"),
+    ("optim.lr=nan", "optim.lr: nan (must be finite and in [0, 3.4e38])"),
     ("train.warmup_frac=1.5", "train.warmup_frac: 1.5 (must be in [0, 1])"),
     ("optim.momentum=1.0", "optim.momentum: 1.0"),
     ("pipeline.schedule=zb", "pipeline.schedule: 'zb'; choose from sync, gpipe"),

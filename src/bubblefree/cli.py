@@ -24,19 +24,22 @@ import argparse
 import importlib
 import math
 import os
+import re
 import shlex
-import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
-from bubblefree import __version__
-from bubblefree.errors import TrainingDiverged, UserError, exit_code
+from bubblefree import __version__, interrupts
+from bubblefree.errors import TrainingDiverged, UserError, exit_code, naming
 from bubblefree.schedules.ir import SIMULATED_SCHEDULES
 
 # Each command imports what it runs inside its function: torch alone takes two seconds to import, which
 # `bubblefree --help` and a rejected argument should not wait for.
-__all__ = ["BENCHMARKS", "build_parser", "exit_code", "main"]
+__all__ = ["BENCHMARKS", "MAX_COST", "Number", "build_parser", "exit_code", "main", "number_options",
+           "options_markdown"]
 
 BENCHMARKS = {
     "train": "tokens/s of our model against Hugging Face's LlamaForCausalLM of the same shape, and MFU",
@@ -50,8 +53,111 @@ BENCHMARKS = {
 """Benchmark name -> what it measures (docs/throughput.md and the modules of ``bubblefree.bench``)."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, refusing in one line like every other refusal (``bubblefree: error: ...``, exit code 2); the
+    usage is a ``--help`` away."""
+
+    def error(self, message: str) -> NoReturn:
+        ours = re.sub(r"^argument [^:]+: (?=Invalid )", "", message)  # a Number names its option and range itself
+        self.exit(2, f"bubblefree: error: {ours if ours != message else f'{message}; see {self.prog} --help'}\n")
+
+
+def _cores() -> int:
+    """The cores this process may use (its CPU affinity, which a container or ``taskset`` narrows)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+class Number:
+    """The argparse ``type`` of a number option, with its range ``[lo, hi]`` (``hi`` may be a function of the
+    machine, e.g. :func:`_cores`; ``why`` says where ``hi`` comes from). It parses the text (a non-number is
+    refused in one line naming the option and the range); :func:`main` checks the range after parsing, so that
+    ``--help`` and the documented commands parse on any machine."""
+
+    def __init__(self, flag: str, kind: type, lo: float, hi: float | Callable[[], float], why: str = "") -> None:
+        self.flag, self.kind, self.lo, self.hi, self.why = flag, kind, lo, hi, why
+
+    @property
+    def high(self) -> float:
+        return self.hi() if callable(self.hi) else self.hi
+
+    def __str__(self) -> str:
+        """``an integer in [1, 1024]``, and the reason of the bound, if any (here: ``[1, 2]: the cores ...``)."""
+        return f"{self._what} in [{self.lo}, {self.high}]" + (f": {self.why}" if self.why else "")
+
+    @property
+    def rule(self) -> str:
+        """The range as the docs state it, the same on every machine: ``an integer >= 1 and at most the cores
+        ...`` where the bound is the machine's."""
+        return f"{self._what} >= {self.lo} and at most {self.why}" if callable(self.hi) else str(self)
+
+    @property
+    def _what(self) -> str:
+        return "an integer" if self.kind is int else "a finite number"
+
+    def __call__(self, text: str) -> float:
+        try:
+            return self.kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"Invalid {self.flag}: {text!r} (must be {self})") from None
+
+    @property
+    def dest(self) -> str:
+        """The option's attribute in the parsed arguments."""
+        return self.flag.lstrip("-").replace("-", "_")
+
+    def check(self, value: float | None) -> None:
+        """Refuse a given value outside the range, in one line (a UserError)."""
+        if value is not None and not (math.isfinite(value) and self.lo <= value <= self.high):
+            raise UserError(f"Invalid {self.flag}: {value} (must be {self})")
+
+
+# The simulator's sizes: far past the pipelines in use (a hundred or so stages at most, hundreds of
+# microbatches), so no real question is refused, while every count stays a small machine integer. What a
+# request inside them costs is the simulator's concern, not a range's.
+_STAGES, _MICROBATCHES, _STEPS = 1024, 65536, 10000
+_SEEDS = 100
+"""The most seeds of one configuration: the verdicts use up to 5 (docs/results.md), and each seed is a whole
+run of every arm of the suite."""
+MAX_COST = 1e12
+"""The largest time of ``--costs`` (in any unit: nanoseconds of a 15-minute step fit): every sum the simulator
+forms over a run within the bounds above then stays a finite float."""
+_COST_RULE = "each a finite number in [0, 1e12], F + B + W above zero"
+
+
+def number_options(parser: argparse.ArgumentParser) -> dict[str, list[Number]]:
+    """``{command: [its number options]}``: the options whose type is a :class:`Number`."""
+    (commands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return {name: [a.type for a in sub._actions if isinstance(a.type, Number)]
+            for name, sub in commands.choices.items()}
+
+
+def options_markdown() -> str:
+    """The table of number options in docs/reliability.md, from :func:`number_options`."""
+    out = ["| command | option | must be |", "|---|---|---|"]
+    for command, numbers in number_options(build_parser()).items():
+        out += [f"| `{command}` | `{n.flag}` | {n.rule} |" for n in numbers]
+    out.append(f"| `simulate`, `plan` | `--costs F:B:W[:U]` | {_COST_RULE} |")
+    return "\n".join(out) + "\n"
+
+
+def _parse_costs(text: str):
+    """``--costs`` as ``schedules.timeline.Costs``, each time finite and within ``[0, MAX_COST]``."""
+    from bubblefree.schedules.timeline import Costs
+
+    parts, rule = text.split(":"), _COST_RULE
+    try:
+        values = [float(p) for p in parts]
+    except ValueError:
+        values = []
+    if len(values) not in (3, 4) or len(parts) != len(values):
+        raise UserError(f"Invalid --costs: {text!r} (expected F:B:W or F:B:W:U, e.g. 1:1:1; {rule})")
+    if not all(math.isfinite(v) and 0 <= v <= MAX_COST for v in values) or sum(values[:3]) <= 0:
+        raise UserError(f"Invalid --costs: {text!r} ({rule})")
+    return Costs.parse(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="bubblefree",
         description="Asynchronous pipeline-parallel LLM pretraining (PipeDream-2BW, PipeDream) with "
                     "delay-robust optimizers and Error Feedback (arXiv 2606.30634).")
@@ -81,14 +187,16 @@ def build_parser() -> argparse.ArgumentParser:
     simulate = commands.add_parser(
         "simulate", help="compare pipeline schedules on paper: bubbles, delays, memory, timeline pictures",
         description="Simulate pipeline schedules from their action orders (see docs/schedules.md).")
-    simulate.add_argument("--stages", type=int, required=True, metavar="P")
-    simulate.add_argument("--microbatches", type=int, required=True, metavar="M", help="per optimizer step")
+    simulate.add_argument("--stages", type=Number("--stages", int, 1, _STAGES), required=True, metavar="P")
+    simulate.add_argument("--microbatches", type=Number("--microbatches", int, 1, _MICROBATCHES), required=True,
+                          metavar="M", help="per optimizer step")
     simulate.add_argument("--schedules", default="gpipe,1f1b,interleaved-1f1b,zero-bubble,2bw,pipedream",
                           metavar="A,B,...", help="comma-separated (default: all)")
     simulate.add_argument("--costs", default="1:1:1", metavar="F:B:W[:U]",
                           help="forward, input-gradient, weight-gradient and optional optimizer-update times "
                                "(default 1:1:1)")
-    simulate.add_argument("--steps", type=int, default=8, metavar="T", help="optimizer steps (default 8)")
+    simulate.add_argument("--steps", type=Number("--steps", int, 1, _STEPS), default=8, metavar="T",
+                          help="optimizer steps (default 8)")
     simulate.add_argument("--out", metavar="DIR", help="write timeline.png and simulate.json here (a new or empty "
                                                          "folder, or one of an earlier simulate)")
 
@@ -101,12 +209,13 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--config", metavar="FILE.toml", help="TOML file with [section] tables of keys")
     plan.add_argument("--set", metavar="KEY=VALUE", action="append", default=[], dest="overrides",
                       help="override one key, e.g. --set model.preset=smollm2-135m (repeatable)")
-    plan.add_argument("--replicas", type=int, default=1, metavar="R",
+    plan.add_argument("--replicas", type=Number("--replicas", int, 1, _MICROBATCHES), default=1, metavar="R",
                       help="data-parallel replicas, splitting pipeline.microbatches (default 1)")
     plan.add_argument("--schedules", default=",".join(SIMULATED_SCHEDULES), metavar="A,B,...",
                       help="comma-separated (default: all)")
     plan.add_argument("--costs", default="1:1:1", metavar="F:B:W[:U]", help="as for simulate (default 1:1:1)")
-    plan.add_argument("--steps", type=int, default=8, metavar="T", help="optimizer steps simulated (default 8)")
+    plan.add_argument("--steps", type=Number("--steps", int, 1, _STEPS), default=8, metavar="T",
+                      help="optimizer steps simulated (default 8)")
     plan.add_argument("--out", metavar="DIR", help="also write plan.json here")
 
     bench = commands.add_parser(
@@ -118,10 +227,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", metavar="DIR", help="also write the results here")
     bench.add_argument("--tiny", action="store_true",
                        help="device only: run the accelerator check on the CPU with tiny sizes")
-    bench.add_argument("--point", type=int, metavar="K",
+    bench.add_argument("--point", type=Number("--point", int, 1, _STEPS), metavar="K",
                        help="time-to-loss only: the long scale's steps-suite point K (the same tokens in K times "
                             "the steps), each schedule at the rate its arm chose on the suite's sweep")
-    bench.add_argument("--seeds", type=int, metavar="N", help="time-to-loss only: seeds per schedule (default 1)")
+    bench.add_argument("--seeds", type=Number("--seeds", int, 1, _SEEDS), metavar="N",
+                       help="time-to-loss only: seeds per schedule (default 1)")
 
     reproduce = commands.add_parser(
         "reproduce", help="run one of the paper's experiments: runs, a table beside the paper's, plots",
@@ -134,9 +244,11 @@ def build_parser() -> argparse.ArgumentParser:
                                 "per parameter, ~10 min per run on one core; long4x: the same tokens in 4x the "
                                 "steps, every arm tuned, ~15 min per run; gpu: 135M runs")
     reproduce.add_argument("--out", metavar="DIR", help="results folder (default results/<scale>)")
-    reproduce.add_argument("--seeds", type=int, metavar="N", help="seeds per configuration (default: the scale's)")
+    reproduce.add_argument("--seeds", type=Number("--seeds", int, 1, _SEEDS), metavar="N",
+                           help="seeds per configuration (default: the scale's)")
     reproduce.add_argument("--optimizers", metavar="A,B,...", help="only these of the suite's optimizers")
-    reproduce.add_argument("--jobs", type=int, metavar="N",
+    reproduce.add_argument("--jobs", type=Number("--jobs", int, 1, _cores, "the cores this process may use (more "
+                                                "runs at once only take turns on them)"), metavar="N",
                            help="runs at once, one process each (default: one per core; 1 at --scale gpu)")
     reproduce.add_argument("--config", metavar="FILE.toml", help="keys that change the scale's base run, "
                                                                  "as [section] tables (your data, model, ...)")
@@ -210,18 +322,23 @@ def _check_usable(final_val_loss: float, steps: int, config, out_dir: Path) -> N
                                f"{shlex.quote(str(out_dir))}")
 
 
+def _as_options(e: ValueError) -> UserError:
+    """A library's refusal of a command-line value, naming the option as the user typed it: the schedule
+    builders and the memory plan name their arguments (``Invalid stages: 0``), the user gave ``--stages``."""
+    return UserError(re.sub(r"^Invalid (stages|microbatches|steps|replicas):", r"Invalid --\1:", str(e)))
+
+
 def _simulate(args: argparse.Namespace) -> int:
     from bubblefree.schedules.ir import build_schedule
     from bubblefree.schedules.report import simulate_schedules
-    from bubblefree.schedules.timeline import Costs
 
+    costs = _parse_costs(args.costs)
     try:
-        costs = Costs.parse(args.costs)
         schedules = [name for name in args.schedules.split(",") if name]
         for name in schedules:  # check every name before printing anything
             build_schedule(name, args.stages, args.microbatches, steps=args.steps)
     except ValueError as e:
-        raise UserError(str(e)) from None
+        raise _as_options(e) from None
     if args.out is not None:  # its own earlier output may be replaced, nothing else
         from bubblefree.train.folders import check_ours
 
@@ -235,22 +352,19 @@ def _plan(args: argparse.Namespace) -> int:
     import dataclasses
     import json
 
-    from bubblefree.schedules.timeline import Costs
     from bubblefree.train.memory import format_plan, plan_memory
     from bubblefree.train.presets import train_config
 
     config = train_config(args.preset, args.config, args.overrides, None)
+    costs = _parse_costs(args.costs)
     try:
-        costs = Costs.parse(args.costs)
         schedules = [name for name in args.schedules.split(",") if name]
         unknown = [name for name in schedules if name not in SIMULATED_SCHEDULES]
         if unknown:
             raise ValueError(f"Invalid schedule: {unknown[0]!r} (choose from {', '.join(SIMULATED_SCHEDULES)})")
-        if args.steps < 1:
-            raise ValueError(f"Invalid --steps: {args.steps} (must be >= 1)")
         rows = plan_memory(config, replicas=args.replicas, schedules=schedules, costs=costs, steps=args.steps)
     except ValueError as e:
-        raise UserError(str(e)) from None
+        raise _as_options(e) from None
     t, p = config.train, config.pipeline
     model = config.model.init_from or config.model.preset
     print(f"{model}, {config.optim.name}, correction {config.delay.correction}, batch {t.batch_size} "
@@ -264,7 +378,8 @@ def _plan(args: argparse.Namespace) -> int:
         out.mkdir(parents=True, exist_ok=True)
         records = [{**row, "stages": [{**dataclasses.asdict(st), "total": st.total} for st in row["stages"]]}
                    if "stages" in row else row for row in rows]
-        (out / "plan.json").write_text(json.dumps(records, indent=1) + "\n")
+        with naming(out / "plan.json"):
+            (out / "plan.json").write_text(json.dumps(records, indent=1) + "\n")
     return 0
 
 
@@ -328,10 +443,6 @@ def _reproduce(args: argparse.Namespace) -> int:
         print(f"bubblefree: {args.suite}: table {result['table']}; plots "
               f"{', '.join(str(p) for p in result['plots']) or 'none'} (from the runs finished so far)")
         return 0
-    if args.seeds is not None and args.seeds < 1:
-        raise UserError(f"Invalid --seeds: {args.seeds} (must be >= 1)")
-    if args.jobs is not None and args.jobs < 1:
-        raise UserError(f"Invalid --jobs: {args.jobs} (must be >= 1)")
     optimizers = tuple(o for o in args.optimizers.split(",") if o) if args.optimizers else None
     if args.dry_run:
         got = dry_run(args.suite, scale=args.scale, out=args.out, seeds=args.seeds, optimizers=optimizers,
@@ -362,27 +473,28 @@ def _reproduce(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the command line; return the exit code (the console script exits with it)."""
-    args = build_parser().parse_args(argv)
-    previous = signal.getsignal(signal.SIGTERM)
-    if previous is signal.SIG_DFL and _main_thread():
-        # SIGTERM as Ctrl-C: before and after a run's training loop (which defers both to a step boundary)
-        # it ends the command with exit code 130 and one line, not with the kernel's 143.
-        signal.signal(signal.SIGTERM, signal.default_int_handler)
-    try:
-        return {"train": _train, "simulate": _simulate, "plan": _plan, "bench": _bench, "reproduce": _reproduce,
-                "export": _export}[args.command](args)
-    except (Exception, KeyboardInterrupt) as e:
-        return exit_code(e)
-    finally:
-        if previous is signal.SIG_DFL and _main_thread():
-            signal.signal(signal.SIGTERM, previous)
-
-
-def _main_thread() -> bool:
-    import threading
-
-    return threading.current_thread() is threading.main_thread()
+    """Run the command line; return the exit code. Without ``argv`` this is the program (the console script,
+    ``python -m bubblefree``), which ends when it returns: SIGINT and SIGTERM are left ignored then, so nothing
+    after the command's outcome can change its exit code (``bubblefree.interrupts``); a caller in the same
+    process (with ``argv``) gets its own handlers back."""
+    with interrupts.command(program=argv is None):  # SIGTERM as Ctrl-C, from here to the process's exit: 130
+        try:
+            try:
+                parser = build_parser()
+                args = parser.parse_args(argv)
+                for number in number_options(parser)[args.command]:  # ranges first (docs/reliability.md)
+                    number.check(getattr(args, number.dest))
+                code = {"train": _train, "simulate": _simulate, "plan": _plan, "bench": _bench,
+                        "reproduce": _reproduce, "export": _export}[args.command](args)
+            finally:
+                interrupts.settle()  # the outcome is known: a signal from here on changes nothing
+        except (Exception, KeyboardInterrupt) as e:
+            code = exit_code(e)
+        if code == 0 and interrupts.signalled():  # too late to stop anything, yet the shell was asked to stop
+            print("bubblefree: interrupted after the command had done its work (nothing is missing)",
+                  file=sys.stderr, flush=True)
+            code = 130
+    return code
 
 
 if __name__ == "__main__":

@@ -7,8 +7,9 @@ after 10 % warmup, clipping 1.0, weight decay 0.1.
 This module imports nothing from the rest of the package, so every part can read a config, and it holds
 every rule a config must satisfy in one :func:`validate`: a key's own rules are its field's metadata
 (``choices``, bounds, the optimizers the key applies to), the rules that relate keys are written out in
-:func:`validate`. The names owned by registries higher up (optimizers, model presets, schedules,
-corrections) are listed here as choices; a test checks each list against the registry that owns it.
+:func:`validate`. Every number key has a finite range (:data:`RANGES`, listed in docs/reliability.md). The
+names owned by registries higher up (optimizers, model presets, schedules, corrections) are listed here as
+choices; a test checks each list against the registry that owns it.
 """
 
 from __future__ import annotations
@@ -32,6 +33,13 @@ from bubblefree.errors import UserError
 __all__ = [
     "CHOICES",
     "DISTRIBUTED_SCHEDULES",
+    "FLOAT_MAX",
+    "INT_MAX",
+    "MAX_SEED",
+    "MAX_STEPS",
+    "MAX_VOCAB",
+    "MIN_BPE_VOCAB",
+    "RANGES",
     "RENAMED",
     "Config",
     "DataConfig",
@@ -40,6 +48,7 @@ __all__ = [
     "ModelConfig",
     "OptimConfig",
     "PipelineConfig",
+    "Range",
     "TrainConfig",
     "apply_overrides",
     "config_diff",
@@ -48,6 +57,7 @@ __all__ = [
     "dump_toml",
     "field_docs",
     "parse_override",
+    "ranges_markdown",
     "read_toml",
     "reference_markdown",
     "unused_keys",
@@ -79,14 +89,39 @@ code). Run ids hash the key under its old name (``bubblefree.experiments.runner.
 result changes id."""
 
 
+INT_MAX = 2**63 - 1
+"""The cap of an integer key that has no smaller one: config.toml and checkpoints hold every key as a TOML
+integer, which is 64-bit signed."""
+FLOAT_MAX = 3.4028234663852886e38
+"""The cap of a number key that has no smaller one: the largest float32. Every coefficient is applied to
+float32 tensors (the weights, their updates), where a larger number is inf."""
+MIN_BPE_VOCAB = 257
+"""``bubblefree.data.tokenizer.MIN_BPE_VOCAB``: a byte-level BPE holds the 256 bytes and at least one merge."""
+MAX_VOCAB = 2**32
+"""The most token ids a vocabulary may have: token streams are stored as uint32 (``data.cache.stream_dtype``)."""
+MAX_STEPS = 10**8 - 1
+"""The most optimizer steps a run may take: checkpoints are named by their step in 8 digits
+(``step_NNNNNNNN.pt``), which a resume reads back."""
+MAX_SEED = 2**32 - 1
+"""The largest seed: the training loop seeds numpy's global generator, which takes 32 bits."""
+
+
 def _key(default: Any, *, choices: tuple[str, ...] = (), gt: float | None = None, ge: float | None = None,
-         lt: float | None = None, le: float | None = None, only_for: tuple[str, ...] = (), note: str = "") -> Any:
+         lt: float | None = None, le: float | None = None, limit: str = "", only_for: tuple[str, ...] = (),
+         note: str = "") -> Any:
     """A config field with its own rules as metadata: the allowed ``choices``; bounds ``gt``, ``ge``, ``lt``,
-    ``le`` (``note`` is added to the message of a value outside them); ``only_for``: the ``optim.name`` values
-    the key applies to (:func:`unused_keys` names it when set for another optimizer)."""
+    ``le`` (``note`` is added to the message of a value outside them; a number without an upper bound is capped
+    at :data:`INT_MAX` or :data:`FLOAT_MAX`, :data:`RANGES`); ``limit``: what bounds the key further, before anything is
+    written: another key (:func:`validate`), or the model, the machine's memory or its cores, which a run checks
+    at its start (``bubblefree.train.loop.check_lengths``); ``only_for``: the ``optim.name`` values the key applies to
+    (:func:`unused_keys` names it when set for another optimizer)."""
     rules = {k: v for k, v in (("choices", choices), ("gt", gt), ("ge", ge), ("lt", lt), ("le", le),
-                                ("only_for", only_for), ("note", note)) if v not in ((), None, "")}
+                                ("limit", limit), ("only_for", only_for), ("note", note)) if v not in ((), None, "")}
     return field(default=default, metadata=rules)
+
+
+_MEMORY = "what the machine's memory holds"
+"""The ``limit`` of the keys that size a run's memory (``bubblefree.train.memory.check_memory``)."""
 
 
 @dataclass(kw_only=True)
@@ -95,7 +130,7 @@ class ModelConfig:
     """Model preset name (see ``bubblefree.models.PRESETS``): llama-1m, llama-5m, llama-20m, moe-20m,
     smollm2-135m, smollm2-360m, ... (llama-5m with a 4096 vocabulary has 3.3M parameters)."""
 
-    vocab_size: int = _key(0, ge=0)
+    vocab_size: int = _key(0, ge=0, le=MAX_VOCAB, limit=_MEMORY, note="token ids are stored as uint32")
     """Vocabulary size; 0 takes the tokenizer's."""
 
     init_from: str = ""
@@ -118,8 +153,9 @@ class DataConfig:
     tokenizer: str = _key("bpe", choices=("bpe", "byte"))
     """``bpe`` (byte-level BPE trained on first use and cached) or ``byte`` (256 symbols, needs nothing)."""
 
-    vocab_size: int = _key(4096, gt=0)
-    """BPE vocabulary size."""
+    vocab_size: int = _key(4096, ge=MIN_BPE_VOCAB, le=MAX_VOCAB,
+                           note="a BPE holds the 256 bytes and a merge; token ids are stored as uint32")
+    """BPE vocabulary size (the most tokens; fewer when the text runs out of merges)."""
 
     cache_dir: str = ""
     """Where tokenizers and token streams are cached; empty means ``$BUBBLEFREE_CACHE`` or ``~/.cache/bubblefree``."""
@@ -156,16 +192,16 @@ class OptimConfig:
 
 @dataclass(kw_only=True)
 class TrainConfig:
-    steps: int = _key(300, gt=0)
+    steps: int = _key(300, gt=0, le=MAX_STEPS, note="a checkpoint's name holds its step in 8 digits")
     """Optimizer steps."""
 
-    batch_size: int = _key(16, gt=0)
+    batch_size: int = _key(16, gt=0, limit=_MEMORY)
     """Sequences per optimizer step (split into ``pipeline.microbatches`` microbatches)."""
 
-    seq_len: int = _key(128, gt=0)
+    seq_len: int = _key(128, gt=0, limit="the model's longest sequence")
     """Tokens per sequence."""
 
-    seed: int = _key(0, ge=0)
+    seed: int = _key(0, ge=0, le=MAX_SEED, note="numpy's global seed takes 32 bits")
     """Seeds model init and the data order; batches are a function of (seed, step, microbatch)."""
 
     warmup_frac: float = _key(0.1, ge=0, le=1)
@@ -181,7 +217,7 @@ class TrainConfig:
     eval_every: int = _key(50, ge=0)
     """Evaluate on the validation split every N steps (and at the end); 0 only at the end."""
 
-    eval_batches: int = _key(8, gt=0)
+    eval_batches: int = _key(8, gt=0, limit=_MEMORY)
     """Validation batches per evaluation (fixed, deterministic windows: ``eval_batches x batch_size`` windows
     evenly spaced over the validation split, so the same product evaluates the same windows at any batch)."""
 
@@ -211,7 +247,7 @@ class TrainConfig:
     good checkpoint) or ``skip`` (no update for that batch, counted as ``skipped`` in metrics.jsonl; the
     simulation only). See docs/reliability.md."""
 
-    threads: int = _key(0, ge=0)
+    threads: int = _key(0, ge=0, limit="the cores this process may use")
     """CPU threads for torch's kernels; 0 keeps torch's default (one per core). Importing bubblefree sets
     ``OMP_WAIT_POLICY=PASSIVE`` (unless set), so idle threads sleep instead of spinning for busy cores: on a
     loaded machine that made the demo 3-7x faster (docs/training.md, "Threads")."""
@@ -229,10 +265,10 @@ class PipelineConfig:
     """``sync``, ``gpipe``, ``1f1b`` (synchronous), ``2bw`` (delay 1 on every stage), ``pipedream``
     (delay P-1-s at stage s), ``wpipe``."""
 
-    stages: int = _key(2, gt=0)
+    stages: int = _key(2, gt=0, limit="the model's layers (wpipe: half of them)")
     """Pipeline stages P (the simulation uses them for per-stage delays and clipping)."""
 
-    microbatches: int = _key(2, gt=0)
+    microbatches: int = _key(2, gt=0, limit="train.batch_size")
     """Microbatches per optimizer step (gradient accumulation in the simulation)."""
 
     runtime: str = _key("sim", choices=("sim", "distributed"))
@@ -320,6 +356,58 @@ CHOICES: dict[str, tuple[str, ...]] = {key: f.metadata["choices"] for key, f in 
 """Allowed values of every key with a fixed vocabulary (from the fields' metadata)."""
 
 
+@dataclass(frozen=True)
+class Range:
+    """The values a number key takes: finite, from ``lo`` (None: no lower bound) to ``hi``, each bound itself
+    allowed unless ``lo_open``/``hi_open``; ``limit`` names what bounds it further (``_key``)."""
+
+    lo: float | None
+    hi: float
+    lo_open: bool = False
+    hi_open: bool = False
+    limit: str = ""
+
+    def __contains__(self, value: float) -> bool:
+        if isinstance(value, float) and not math.isfinite(value):
+            return False
+        above = self.lo is None or (value > self.lo if self.lo_open else value >= self.lo)
+        return above and (value < self.hi if self.hi_open else value <= self.hi)
+
+    def __str__(self) -> str:
+        """``in [1, 99999999]``, ``< 1``; a bound that is only the type's cap gives way to a ``limit``:
+        ``>= 1 and at most what the machine's memory holds``."""
+        if self.lo is None:
+            return f"{'<' if self.hi_open else '<='} {_number(self.hi)}"
+        if self.limit and self.hi in (INT_MAX, FLOAT_MAX):
+            return f"{'>' if self.lo_open else '>='} {_number(self.lo)} and at most {self.limit}"
+        interval = f"{'(' if self.lo_open else '['}{_number(self.lo)}, {_number(self.hi)}{')' if self.hi_open else ']'}"
+        return f"in {interval}" + (f" and at most {self.limit}" if self.limit else "")
+
+
+def _number(x: float) -> str:
+    return {INT_MAX: "2^63-1", FLOAT_MAX: "3.4e38"}.get(x, f"{x:g}" if isinstance(x, float) else str(x))
+
+
+def _range(f: dataclasses.Field) -> Range:
+    """A number field's :class:`Range` from its metadata: an integer's open bound becomes the closed one next to
+    it (``gt=0``: from 1), a missing upper bound is the type's cap."""
+    rules, kind = f.metadata, type(f.default)
+    lo, lo_open = (rules["gt"], True) if "gt" in rules else (rules.get("ge"), False)
+    hi, hi_open = (rules["lt"], True) if "lt" in rules else (rules.get("le"), False)
+    if hi is None:
+        hi = INT_MAX if kind is int else FLOAT_MAX
+    if kind is int:  # integers are said with closed bounds: "in [1, 99999999]", not "(0, 99999999]"
+        lo, lo_open = (lo + 1 if lo_open else lo), False
+        hi, hi_open = (hi - 1 if hi_open else hi), False
+    return Range(lo, hi, lo_open, hi_open, rules.get("limit", ""))
+
+
+RANGES: dict[str, Range] = {key: _range(f) for key, f in _fields().items()
+                            if type(f.default) in (int, float)}
+"""The range of every number key (from the fields' metadata): :func:`validate` refuses a value outside it, and
+docs/reliability.md lists them (:func:`ranges_markdown`)."""
+
+
 def _resolve(config: Config, dotted: str) -> tuple[Any, str, type]:
     """Return (section object, key, expected type) for ``section.key``, or a UserError naming valid keys."""
     name, sep, key = dotted.partition(".")
@@ -342,10 +430,15 @@ def _typed(dotted: str, value: Any, expected: type) -> Any:
     """Check a value read from TOML (already typed); an int is accepted for a float field, a bool never for a
     number (``True`` is an ``int`` in Python, not in a config)."""
     if expected is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
+        value = float(value) if abs(value) <= FLOAT_MAX else math.copysign(math.inf, value)  # refused as not finite
     if type(value) is not expected:
-        raise UserError(f"Invalid value for {dotted}: {value!r} (expected {expected.__name__})")
+        raise UserError(f"Invalid value for {dotted}: {value!r} (expected {_expected(dotted, expected)})")
     return value
+
+
+def _expected(dotted: str, expected: type) -> str:
+    """What a key takes, for a value of the wrong type: ``int in [1, 99999999]``, ``bool``."""
+    return f"{expected.__name__} {RANGES[dotted]}" if dotted in RANGES else expected.__name__
 
 
 _NOTED: set[str] = set()
@@ -380,7 +473,7 @@ def parse_override(config: Config, text: str) -> tuple[str, Any]:
         else:
             value = expected(raw)
     except (KeyError, ValueError):
-        raise UserError(f"Invalid value for {dotted}: {raw!r} (expected {expected.__name__})") from None
+        raise UserError(f"Invalid value for {dotted}: {raw!r} (expected {_expected(dotted, expected)})") from None
     return dotted, value
 
 
@@ -461,19 +554,6 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         raise UserError(f"Invalid config file: {path} is not valid TOML ({e})") from None
 
 
-def _bound_error(value: Any, rules: dict[str, Any]) -> str | None:
-    """The "(must be ...)" of a number outside its field's bounds, or None."""
-    lo, hi = rules.get("ge"), rules.get("le", rules.get("lt"))
-    if lo is not None and hi is not None:  # a closed or half-open interval, said as one
-        inside = lo <= value <= hi if "le" in rules else lo <= value < hi
-        return None if inside else f"must be in [{lo}, {hi}{']' if 'le' in rules else ')'}"
-    for name, holds, sign in (("gt", value > rules.get("gt", 0), ">"), ("ge", value >= rules.get("ge", 0), ">="),
-                              ("lt", value < rules.get("lt", 0), "<"), ("le", value <= rules.get("le", 0), "<=")):
-        if name in rules and not holds:  # a NaN fails every comparison
-            return f"must be {sign} {rules[name]}"
-    return None
-
-
 def unused_keys(config: Config) -> list[str]:
     """One line for each key set away from its default that the run's optimizer does not use.
 
@@ -498,16 +578,14 @@ def validate(config: Config, *, replicas: int | None = None) -> Config:
     flat = {f"{s}.{k}": v for s, table in config_to_dict(config).items() for k, v in table.items()}
     for key, f in _fields().items():
         value, rules = flat[key], f.metadata
-        if isinstance(value, float) and not math.isfinite(value):
-            raise UserError(f"Invalid {key}: {value} (must be finite)")
         if "choices" in rules and value not in rules["choices"]:
             close = difflib.get_close_matches(str(value), rules["choices"], n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise UserError(f"Invalid {key}: {value!r}{hint}; choose from {', '.join(rules['choices'])}")
-        problem = _bound_error(value, rules) if isinstance(value, (int, float)) else None
-        if problem:
+        if key in RANGES and value not in RANGES[key]:
+            finite = "finite and " if isinstance(value, float) and not math.isfinite(value) else ""
             note = f"; {rules['note']}" if "note" in rules else ""
-            raise UserError(f"Invalid {key}: {value} ({problem}{note})")
+            raise UserError(f"Invalid {key}: {value} (must be {finite}{RANGES[key]}{note})")
 
     if config.model.init_sha256 and not config.model.init_from:
         raise UserError("Invalid model.init_sha256: set without model.init_from (it pins that folder's weights)")
@@ -526,6 +604,9 @@ def validate(config: Config, *, replicas: int | None = None) -> Config:
         raise UserError(f"Invalid optim.momentum: {momentum}{which} with delay.correction = {correction} (the "
                         f"correction is the optimizer's momentum, moved outside the delay: set optim.momentum = 0 "
                         f"so that the inner optimizer's own momentum does not compound with it)")
+    if pipe.microbatches > train.batch_size:
+        raise UserError(f"Invalid pipeline.microbatches: {pipe.microbatches} (must be in [1, train.batch_size = "
+                        f"{train.batch_size}]: a microbatch holds at least one sequence)")
     if train.batch_size % pipe.microbatches:
         raise UserError(f"Invalid train.batch_size: {train.batch_size} (must be divisible by "
                         f"pipeline.microbatches = {pipe.microbatches})")
@@ -571,6 +652,17 @@ def field_docs() -> dict[str, list[tuple[str, str, Any, str]]]:
         out[name] = [(f.name, _field_type(section, f.name).__name__, getattr(section, f.name),
                       docs.get(cls, {}).get(f.name, "")) for f in dataclasses.fields(section)]
     return out
+
+
+def ranges_markdown() -> str:
+    """The table of number keys in docs/reliability.md: each key's :data:`RANGES` entry and default."""
+    fields = _fields()
+    out = ["| key | type | must be | default |", "|---|---|---|---|"]
+    for key, r in RANGES.items():
+        f = fields[key]
+        note = f" ({f.metadata['note']})" if "note" in f.metadata else ""
+        out.append(f"| `{key}` | {type(f.default).__name__} | {r}{note} | `{_toml_value(f.default)}` |")
+    return "\n".join(out) + "\n"
 
 
 def reference_markdown() -> str:

@@ -5,6 +5,8 @@ everything outside the markers is written by hand and left as it is. The parts:
 
 * ``config-reference`` (docs/training.md): the configuration reference, from the config's field docstrings;
 * ``optimizer-defaults`` (docs/optimizers.md): each optimizer's defaults, from ``optim.registry``;
+* ``config-ranges`` (docs/reliability.md): the range of every number a config key takes, from ``config.RANGES``
+  (the options' ranges beside it are checked by tests/test_ranges.py: the CLI is this module's layer);
 * ``findings`` (docs/results.md): the findings table, every finding of the paper at 1200 and 4800 steps with its
   verdict, from the JSON under ``results/`` (``experiments.findings``);
 * ``cell:ROW/COLUMN`` (README.md and any doc): one cell of the findings table quoted in prose, e.g.
@@ -34,7 +36,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from bubblefree.config import reference_markdown
+from bubblefree.config import ranges_markdown, reference_markdown
 from bubblefree.experiments.findings import cells, findings_markdown
 from bubblefree.experiments.reproduce import tables
 from bubblefree.optim.registry import defaults_markdown
@@ -59,6 +61,7 @@ PARTS: dict[str, tuple[str, Callable[[Path], str]]] = {
     "config-reference": ("training.md", lambda results: reference_markdown()),
     "optimizer-defaults": ("optimizers.md", lambda results: defaults_markdown()),
     "findings": ("results.md", findings_markdown),
+    "config-ranges": ("reliability.md", lambda results: ranges_markdown()),
 }
 """``{part name: (file under docs/, the function that writes the part from the results folder)}``."""
 
