@@ -26,13 +26,14 @@ import math
 import os
 import re
 import shlex
+import signal
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
-from bubblefree import __version__, interrupts
+from bubblefree import __version__
 from bubblefree.errors import TrainingDiverged, UserError, exit_code, naming
 from bubblefree.schedules.ir import SIMULATED_SCHEDULES
 
@@ -473,28 +474,30 @@ def _reproduce(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the command line; return the exit code. Without ``argv`` this is the program (the console script,
-    ``python -m bubblefree``), which ends when it returns: SIGINT and SIGTERM are left ignored then, so nothing
-    after the command's outcome can change its exit code (``bubblefree.interrupts``); a caller in the same
-    process (with ``argv``) gets its own handlers back."""
-    with interrupts.command(program=argv is None):  # SIGTERM as Ctrl-C, from here to the process's exit: 130
-        try:
-            try:
-                parser = build_parser()
-                args = parser.parse_args(argv)
-                for number in number_options(parser)[args.command]:  # ranges first (docs/reliability.md)
-                    number.check(getattr(args, number.dest))
-                code = {"train": _train, "simulate": _simulate, "plan": _plan, "bench": _bench,
-                        "reproduce": _reproduce, "export": _export}[args.command](args)
-            finally:
-                interrupts.settle()  # the outcome is known: a signal from here on changes nothing
-        except (Exception, KeyboardInterrupt) as e:
-            code = exit_code(e)
-        if code == 0 and interrupts.signalled():  # too late to stop anything, yet the shell was asked to stop
-            print("bubblefree: interrupted after the command had done its work (nothing is missing)",
-                  file=sys.stderr, flush=True)
-            code = 130
-    return code
+    """Run the command line; return the exit code (the console script exits with it)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous is signal.SIG_DFL and _main_thread():
+        # SIGTERM as Ctrl-C: before and after a run's training loop (which defers both to a step boundary)
+        # it ends the command with exit code 130 and one line, not with the kernel's 143.
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        for number in number_options(parser)[args.command]:  # ranges first (docs/reliability.md)
+            number.check(getattr(args, number.dest))
+        return {"train": _train, "simulate": _simulate, "plan": _plan, "bench": _bench, "reproduce": _reproduce,
+                "export": _export}[args.command](args)
+    except (Exception, KeyboardInterrupt) as e:
+        return exit_code(e)
+    finally:
+        if previous is signal.SIG_DFL and _main_thread():
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
 
 
 if __name__ == "__main__":
