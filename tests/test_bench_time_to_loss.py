@@ -120,7 +120,7 @@ def test_point_builds_the_steps_suite_s_runs_at_each_arm_s_chosen_rate(tmp_path,
 @pytest.mark.parametrize("argv, message", [
     (["bench", "train", "--point", "4"], "Invalid --point: only 'bench time-to-loss' takes it"),
     (["bench", "pipeline", "--seeds", "2"], "Invalid --seeds: only 'bench time-to-loss' takes it"),
-    (["bench", "time-to-loss", "--seeds", "0"], "Invalid seeds: 0"),
+    (["bench", "time-to-loss", "--seeds", "0"], "Invalid --seeds: 0"),
     (["bench", "time-to-loss", "--point", "16"], "Invalid --point: 16"),
 ])
 def test_bad_bench_options_exit_2_in_one_line(argv, message):
