@@ -11,16 +11,20 @@ hashed before and after).
 from __future__ import annotations
 
 import builtins
+import contextlib
 import errno
 import hashlib
 import io
 import json
 import os
+import random
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -30,7 +34,7 @@ from bubblefree.train.folders import LOCK_FILE, hold, holder_pids
 from bubblefree.train.metrics import read_metrics
 from bubblefree.train.resume import resume_hint
 from bubblefree.train.sim import SimExecutor
-from conftest import folder_digest, run_cli
+from conftest import folder_digest, killed_at_exit, run_cli
 
 TINY = ["train.seq_len=32", "train.batch_size=4", "train.eval_batches=2", "train.eval_every=3",
         "train.log_every=1", "train.ckpt_every=3", "train.ckpt_keep=3", "log.progress=false"]
@@ -266,6 +270,111 @@ def test_a_special_file_is_not_data(tmp_path):
              tmp_path, 2, "Invalid data.source: /dev/zero is not a file or folder")
 
 
+# Damaged run files -------------------------------------------------------------------------------------
+
+RUN_FILES = {"config.toml": "config.toml", "data.json": "data.json", "metrics.jsonl": "metrics.jsonl",
+             "manifest": "checkpoints/step_00000006.json"}
+"""The files a resume reads, by the name the tests give them (the manifest: the newest checkpoint's)."""
+
+
+def _middle(lines: list[bytes]) -> int:
+    return len(lines) // 2
+
+
+def _replace_middle(text: bytes) -> Callable[[bytes], tuple[bytes, int]]:
+    def damage(raw: bytes) -> tuple[bytes, int]:
+        lines = raw.split(b"\n")
+        i = _middle(lines)
+        return b"\n".join([*lines[:i], text, *lines[i + 1:]]), i + 1
+    return damage
+
+
+def _into_middle(raw: bytes) -> tuple[bytes, int]:
+    lines = raw.split(b"\n")
+    i = _middle(lines)
+    return b"\n".join([*lines[:i], lines[i][:3] + b"\xff" + lines[i][3:], *lines[i + 1:]]), i + 1
+
+
+def _drop_middle(raw: bytes) -> tuple[bytes, None]:
+    lines = raw.split(b"\n")
+    return b"\n".join(lines[:_middle(lines)] + lines[_middle(lines) + 1:]), None
+
+
+DAMAGE_KINDS = {
+    # name: raw bytes -> (damaged bytes, the line the refusal must name, or None); None: the file is deleted
+    "deleted": None,
+    "emptied": lambda raw: (b"", None),
+    "cut in half": lambda raw: (raw[:len(raw) // 2], None),
+    "not UTF-8": _into_middle,
+    "not parseable": _replace_middle(b'{"oops'),
+    "a line of null": _replace_middle(b"null"),
+    "a line of {}": _replace_middle(b"{}"),
+    "a line of [1,2]": _replace_middle(b"[1,2]"),
+    "a line dropped": _drop_middle,
+}
+
+
+@pytest.mark.parametrize("kind", DAMAGE_KINDS)
+@pytest.mark.parametrize("name", RUN_FILES)
+def test_a_damaged_run_file_is_refused_by_name_and_line_until_the_loss_is_accepted(run, name, kind):
+    """Each file a resume reads, each way a file is damaged: the resume refuses in one line naming the file
+    (and the line, where there is one), with every byte of the folder as it was; with --accept-damaged it goes
+    on, keeping the damaged file byte for byte beside the new one, and the metrics hold each readable record
+    once, in order, up to the new end."""
+    path = run / RUN_FILES[name]
+    original = path.read_bytes()
+    if DAMAGE_KINDS[kind] is None:
+        path.unlink()
+        damaged, line = None, None
+    else:
+        damaged, line = DAMAGE_KINDS[kind](original)
+        path.write_bytes(damaged)
+    resume = ["train", "--resume", str(run), "--set", "train.steps=8"]
+    message = _refused(resume, run, 2, str(path))
+    assert "--accept-damaged" in message and (line is None or f"line {line} " in message), message
+    assert message.count(str(run)) == 1, message  # the damaged file, and no other
+    readable = [r["step"] for r in read_metrics(run / "metrics.jsonl")] if name == "metrics.jsonl" and damaged else []
+
+    code, err = _cli([*resume, "--accept-damaged"])
+    assert code == 0, err
+    kept = sorted(path.parent.glob(f"{path.name}.damaged-*"))
+    assert [p.read_bytes() for p in kept] == ([] if damaged is None else [damaged])
+    steps = [r["step"] for r in read_metrics(run / "metrics.jsonl")]
+    if name != "metrics.jsonl":
+        assert steps == list(range(1, 9))
+    else:  # the readable records up to the checkpoint's step, then the new ones
+        assert steps == [s for s in readable if s <= 6] + [7, 8], steps
+    assert list_checkpoints(run)[-1][0] == 8
+
+
+@pytest.mark.parametrize("edit", ["a record's loss", "a record repeated", "the first lines cut off"])
+def test_metrics_that_parse_but_are_not_what_the_checkpoint_saw_are_refused(run, edit):
+    """The checkpoint's manifest records metrics.jsonl's bytes as they were when it was written: a record
+    changed, repeated, or lines cut at a line boundary are found though every line is a record."""
+    path = run / "metrics.jsonl"
+    lines = path.read_text().splitlines(keepends=True)
+    if edit == "a record's loss":
+        record = json.loads(lines[2])
+        lines[2] = json.dumps({**record, "loss": record["loss"] + 1}) + "\n"
+    elif edit == "a record repeated":
+        lines.insert(3, lines[2])
+    else:
+        lines = lines[2:]
+    path.write_text("".join(lines))
+    message = _refused(["train", "--resume", str(run), "--set", "train.steps=8"], run, 2, str(path))
+    assert "--accept-damaged" in message
+
+
+def test_a_torn_last_line_is_no_damage(run):
+    """A run killed in the middle of writing a record leaves its last line without a newline; its step is past
+    the checkpoint, so the resume computes it again, silently."""
+    path = run / "metrics.jsonl"
+    path.write_bytes(path.read_bytes() + b'{"step": 7, "lo')
+    code, err = _cli(["train", "--resume", str(run), "--set", "train.steps=8"])
+    assert code == 0 and err == [], err
+    assert [r["step"] for r in read_metrics(path)] == list(range(1, 9))
+
+
 # Filesystem faults ---------------------------------------------------------------------------------------
 
 def _refuse_writes(monkeypatch, under: Path, err: int) -> None:
@@ -452,6 +561,169 @@ def test_a_second_signal_in_the_setup_stops_it_at_once(tmp_path, monkeypatch):
     got, err = _cli(["train", "--preset", "smoke", *_sets([*TINY, "train.steps=3"]), "--out", str(out)])
     assert got == 130 and err == ["bubblefree: interrupted before the run started; nothing was written"], err
     assert went_on == ["after the first"] and not out.exists()
+
+
+STORM_SEED = 46
+"""The seed of the storms below: every run of the tests sends the same mixes at the same moments."""
+
+
+def _storm(rng: random.Random, within_s: float) -> list[tuple[float, int]]:
+    """A random mix: one to six signals, each SIGINT or SIGTERM, the first at a moment in ``[0, within_s)``
+    seconds, each next one up to 0.3 s after the one before (so that they land during the stop too)."""
+    at, storm = rng.uniform(0, within_s), []
+    for _ in range(rng.randint(1, 6)):
+        storm.append((at, rng.choice([signal.SIGINT, signal.SIGTERM])))
+        at += rng.uniform(0, 0.3)
+    return storm
+
+
+def _send(storm: list[tuple[float, int]], kill) -> None:
+    start = time.monotonic()
+    for at, sig in storm:
+        time.sleep(max(0.0, start + at - time.monotonic()))
+        kill(sig)
+
+
+def _check_ending(lines: list[str], out: Path) -> None:
+    """One line saying how the run ended, and a run folder that agrees with it."""
+    assert len(lines) == 1 and lines[0].startswith("bubblefree: interrupted"), lines
+    if "nothing was written" in lines[0]:
+        assert not out.exists()
+    if "interrupted; checkpoint at step" in lines[0]:
+        (stopped, _), *_ = reversed(list_checkpoints(out))
+        assert f"checkpoint at step {stopped} " in lines[0]
+        assert max(r["step"] for r in read_metrics(out / "metrics.jsonl")) == stopped
+
+
+def _storm_command(kind: str, out: Path) -> list[str]:
+    return (["simulate", "--stages", "8", "--microbatches", "16", "--schedules", "1f1b,2bw,pipedream"]
+            if kind == "simulate" else
+            ["train", "--preset", "smoke", *_sets([*TINY, "train.steps=4", "train.ckpt_every=2"]), "--out", str(out)])
+
+
+@pytest.fixture(scope="module")
+def command_seconds(tmp_path_factory, cache_dir) -> dict[str, float]:
+    """How long each command of the storms takes here undisturbed, so that the storms span all of it (the second
+    of two runs: the first also imports and tokenizes)."""
+    seconds = {}
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("BUBBLEFREE_CACHE", cache_dir)
+        for kind in ("train", "simulate"):
+            for _ in range(2):
+                start = time.monotonic()
+                assert _cli(_storm_command(kind, tmp_path_factory.mktemp("quiet") / "run"))[0] == 0
+                seconds[kind] = time.monotonic() - start
+    return seconds
+
+
+@pytest.mark.parametrize("trial", range(24))
+def test_a_storm_at_any_moment_of_a_command_in_this_process(tmp_path, trial, command_seconds):
+    """Random mixes of SIGINT and SIGTERM at random moments of a whole command (its setup, steps, checkpoints,
+    the lines it prints; a simulation, outside any run), over 1.2 times its undisturbed length: exit code 130
+    and one line, or, where every signal came before main had its handler or after it returned, the command's
+    own success. main puts back the handlers it found, here a stand-in that counts what comes outside it (so
+    that pytest never sees one)."""
+    rng = random.Random(STORM_SEED + trial)
+    kind = "simulate" if trial % 4 == 3 else "train"
+    out = tmp_path / "run"
+    storm, outside = _storm(rng, 1.2 * command_seconds[kind]), []
+    previous = {sig: signal.signal(sig, lambda signum, frame: outside.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    sender = threading.Thread(target=_send, args=(storm, lambda sig: os.kill(os.getpid(), sig)))
+    try:
+        sender.start()
+        code, err = _cli(_storm_command(kind, out))
+        sender.join()
+        time.sleep(0.05)  # a signal sent last is handled at this thread's next bytecode
+    finally:
+        sender.join()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    assert not any("Traceback" in line for line in err), err
+    if len(outside) == len(storm):
+        assert code == 0 and err == [], (code, err)
+    else:
+        assert code == 130, (code, err, storm, outside)
+        _check_ending(err, out)
+
+
+def _handles_sigterm(pid: int) -> bool:
+    """Whether process ``pid`` has its own SIGTERM handler yet (``SigCgt`` of /proc): bubblefree's main installs
+    it first thing; before, Python is still starting, which no handler can cover (docs/reliability.md)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (signal.SIGTERM - 1) & 1)
+    return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="tells when main has started from /proc")
+@pytest.mark.parametrize("trial", range(4))
+def test_a_storm_at_any_moment_of_a_process_ends_it_with_130_and_one_line(tmp_path, trial):
+    """As a user or a supervisor would: random mixes from the moment the process has its handler (imports,
+    setup, steps, the stop itself); trial 0 is the case of issue 46, SIGTERM after step 2 and another SIGTERM
+    0.1-0.6 s later, during the stop. Never 143 (the signal's own ending), never a traceback."""
+    rng = random.Random(STORM_SEED * 100 + trial)
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "bubblefree", "train", "--preset", "smoke",
+                             *_sets([*TINY, "train.steps=100000", "train.ckpt_every=2"]), "--out", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    with killed_at_exit(proc):
+        if trial == 0:
+            _wait(lambda: (out / "metrics.jsonl").exists() and len(read_metrics(out / "metrics.jsonl")) >= 2, proc,
+                  "step 2")
+            storm = [(0.0, signal.SIGTERM), (rng.uniform(0.1, 0.6), signal.SIGTERM)]
+        else:
+            _wait(lambda: _handles_sigterm(proc.pid), proc, "main's handler")
+            storm = _storm(rng, 6.0)
+        _send(storm, lambda sig: proc.poll() is None and proc.send_signal(sig))
+        _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 130 and "Traceback" not in err, (proc.returncode, err, storm)
+    _check_ending(err.strip().splitlines(), out)
+
+
+def test_a_signal_inside_an_import_is_counted_and_stops_the_command_after_it(tmp_path, monkeypatch):
+    """Raised inside an import a KeyboardInterrupt can abort the process from C++ (torch's pybind11 callbacks) or
+    make CPython end it by SIGINT: the import finishes, and the next check stops the command."""
+    from bubblefree import interrupts
+
+    (tmp_path / "signals_itself.py").write_text("import os, signal\nos.kill(os.getpid(), signal.SIGINT)\n"
+                                                "for _ in range(10_000):\n    pass\nFINISHED = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with interrupts.command(program=False):
+        import signals_itself  # noqa: F401  # the handler runs inside the import, at a bytecode boundary
+
+        assert signals_itself.FINISHED and interrupts.signalled() == 1
+        with pytest.raises(KeyboardInterrupt):
+            interrupts.check()
+    with interrupts.command(program=False):  # outside an import the signal stops the code where it lands
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(10_000):
+                pass
+    sys.modules.pop("signals_itself", None)
+
+
+def test_the_program_leaves_both_signals_ignored_as_it_ends():
+    """Without argv main is the program: nothing after its outcome may end the process by a signal (143) or
+    raise where the interpreter shuts down."""
+    from bubblefree.cli import main
+
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    argv = sys.argv
+    try:
+        sys.argv = ["bubblefree", "simulate", "--stages", "2", "--microbatches", "2", "--schedules", "1f1b"]
+        with contextlib.redirect_stdout(io.StringIO()):
+            assert main() == 0
+        assert all(signal.getsignal(sig) is signal.SIG_IGN for sig in previous)
+        os.kill(os.getpid(), signal.SIGTERM)  # ignored: this process goes on
+    finally:
+        sys.argv = argv
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    with contextlib.redirect_stdout(io.StringIO()):  # with argv (a caller in this process): its handlers back
+        assert main(["simulate", "--stages", "2", "--microbatches", "2", "--schedules", "1f1b"]) == 0
+    assert {sig: signal.getsignal(sig) for sig in previous} == previous
 
 
 def test_a_final_validation_loss_that_is_not_finite_is_not_done(tmp_path, monkeypatch):

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src" / "bubblefree"
 
 LAYERS: list[tuple[str, ...]] = [
-    ("bubblefree", "bubblefree.errors"),
+    ("bubblefree", "bubblefree.errors", "bubblefree.interrupts"),
     ("bubblefree.config",),
     ("bubblefree.optim", "bubblefree.models", "bubblefree.data", "bubblefree.schedules"),
     ("bubblefree.delay",),

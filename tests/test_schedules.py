@@ -1,12 +1,24 @@
 """The schedule table, the schedule IR and its timeline simulator: golden orders, closed-form bubbles, derived
 delays."""
 
+import gc
+import itertools
+import time
+import tracemalloc
+
 import pytest
 
 from bubblefree.schedules import SCHEDULES, n_partitions, stage_delays, weight_versions
-from bubblefree.schedules.ir import build_schedule
-from bubblefree.schedules.report import simulate_schedules
+from bubblefree.schedules.ir import SIMULATED_SCHEDULES, build_schedule, check_schedule, simulated_actions
+from bubblefree.schedules.report import BYTES_PER_ACTION, simulate_schedules
 from bubblefree.schedules.timeline import Costs, simulate
+from timeline_reference import (
+    recurrence,
+    reference_open_steps,
+    reference_peak_activations,
+    reference_simulate,
+    reference_weight_versions,
+)
 
 
 def test_schedule_table():
@@ -160,3 +172,131 @@ def test_cli_simulate(tmp_path, capsys):
     assert main(["simulate", "--stages", "4", "--microbatches", "2", "--schedules", "2bw"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "at least one per stage" in err
+
+
+# The simulator's cost (issue 46): linear in its actions, equal to the reference, bounded in memory -------------
+
+GRID = [(1, 1), (1, 3), (2, 1), (2, 2), (2, 4), (3, 3), (3, 5), (4, 4), (4, 8), (5, 10)]
+COSTS = [Costs(), Costs(1, 1, 0.5), Costs(0, 1, 1), Costs(1, 2, 1, comm=0.5, update=3),
+         Costs(0.3, 0.7, 0.1, comm=0.1, update=0.2)]
+
+
+@pytest.mark.parametrize("name", SIMULATED_SCHEDULES)
+def test_the_simulator_equals_the_reference_event_for_event(name):
+    """Every action at the same time on the same rank, in the same order, every update and version, and every
+    analysis equal to its count from the definition, on a grid of sizes and costs (comm, update, a zero
+    forward); the flushless ones also against the plain recursion of each rank's order."""
+    compared = 0
+    for (P, M), costs in itertools.product(GRID, COSTS):
+        try:
+            schedule = build_schedule(name, P, M, steps=3)
+        except ValueError:  # interleaved needs M a multiple of P, 2BW at least P
+            continue
+        got, want = simulate(schedule, costs), reference_simulate(schedule, costs)
+        case = (name, P, M, costs)
+        assert list(got.spans.items()) == list(want.spans.items()), case
+        assert list(got.rank_of.items()) == list(want.rank_of.items()), case
+        assert list(got.updates.items()) == list(want.updates.items()), case
+        assert list(got.versions_used.items()) == list(want.versions_used.items()), case
+        assert got.peak_activations() == reference_peak_activations(want), case
+        assert got.weight_versions() == reference_weight_versions(want), case
+        assert got.open_steps() == reference_open_steps(want), case
+        if not schedule.split_backward:
+            assert recurrence(schedule, costs) == (got.spans, got.updates), case
+        compared += 1
+    assert compared >= 20
+
+
+@pytest.mark.parametrize("name", SIMULATED_SCHEDULES)
+def test_the_action_count_is_known_before_building(name):
+    for P, M, steps in [(1, 1, 1), (2, 4, 3), (4, 8, 2), (3, 6, 5)]:
+        expected = simulated_actions(name, P, M, steps=steps)
+        assert len(simulate(build_schedule(name, P, M, steps=steps)).spans) == expected, (P, M, steps)
+
+
+def test_the_simulators_cost_grows_linearly():
+    """Four times the stages is four times the actions: the time grows about fourfold (the CPU time, so a busy
+    machine does not decide it). Scanning every rank for every action, as the reference does, grew sixteenfold."""
+    def seconds(P: int) -> float:
+        schedule = build_schedule("2bw", P, 64, steps=2)
+        start = time.process_time()
+        tl = simulate(schedule)
+        tl.weight_versions(), tl.peak_activations(), tl.open_steps(), tl.idle_fraction()
+        return time.process_time() - start
+
+    seconds(8)  # warm up
+    small, large = min(seconds(8) for _ in range(3)), min(seconds(32) for _ in range(3))
+    assert large / small < 8, (small, large)
+
+
+@pytest.mark.parametrize("name", SIMULATED_SCHEDULES)
+def test_the_memory_per_action_is_an_upper_bound(name):
+    """What building, simulating and analysing one schedule holds at its peak, per action, stays under the
+    estimate the refusal is made from, at sizes where the dictionaries' growth falls differently."""
+    for P, M in [(4, 64), (8, 24), (16, 16)]:
+        gc.collect()
+        tracemalloc.start()
+        try:
+            tl = simulate(build_schedule(name, P, M, steps=4))
+            tl.idle_fraction(), tl.staleness(), tl.weight_versions(), tl.peak_activations()
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < BYTES_PER_ACTION * simulated_actions(name, P, M, steps=4), (P, M, peak)
+
+
+def test_a_request_beyond_the_machines_memory_is_refused_with_the_estimate(tmp_path, monkeypatch, capsys):
+    import bubblefree.schedules.report as report
+    from bubblefree.cli import main
+
+    monkeypatch.setattr(report, "machine_memory", lambda: 10**9)
+    out = tmp_path / "sim"
+    assert main(["simulate", "--stages", "256", "--microbatches", "2048", "--schedules", "1f1b,2bw",
+                 "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert ("simulate --stages 256 --microbatches 2048 --steps 8 would need about 10.0 GiB of memory (the 2 "
+            "timelines drawn together: 16,777,216 actions at up to 640 bytes each), more than this machine's "
+            "953.7 MiB") in err, err
+    assert not out.exists()
+    # Without --out one timeline is held at a time.
+    assert main(["simulate", "--stages", "256", "--microbatches", "2048", "--schedules", "1f1b,2bw"]) == 2
+    assert "(1f1b: 8,388,608 actions at up to 640 bytes each)" in capsys.readouterr().err
+
+
+def test_a_long_simulation_says_how_far_it_is(monkeypatch, capsys):
+    import bubblefree.schedules.report as report
+
+    monkeypatch.setattr(report, "PROGRESS_AFTER_S", 0.0)
+    simulate_schedules(["1f1b", "2bw"], stages=2, microbatches=4, steps=3)
+    err = capsys.readouterr().err.splitlines()
+    assert "bubblefree: building 1f1b (1 of 2): 0 of 96 actions simulated (0%), 0 s" in err, err
+    assert "bubblefree: analysing 2bw (2 of 2): 96 of 96 actions simulated (100%), 0 s" in err, err
+    monkeypatch.setattr(report, "PROGRESS_AFTER_S", 3600.0)  # the default: a short one says nothing
+    simulate_schedules(["1f1b"], stages=2, microbatches=4, steps=3)
+    assert capsys.readouterr().err == ""
+
+
+def test_check_schedule_refuses_as_building_would():
+    for args in [("nope", 2, 2), ("1f1b", 0, 2), ("2bw", 4, 2), ("interleaved-1f1b", 4, 6), ("gpipe", 2, 2, 0)]:
+        name, P, M, *steps = args
+        with pytest.raises(ValueError) as built:
+            build_schedule(name, P, M, steps=steps[0] if steps else 1)
+        with pytest.raises(ValueError) as checked:
+            check_schedule(name, P, M, steps=steps[0] if steps else 1)
+        assert str(built.value) == str(checked.value)
+
+
+def test_a_long_timeline_is_drawn_from_its_start(tmp_path, monkeypatch):
+    """Past MAX_DRAWN_BLOCKS only the window holding that many is drawn, and the title says up to when."""
+    import bubblefree.schedules.render as render
+
+    monkeypatch.setattr(render, "MAX_DRAWN_BLOCKS", 50)
+    tl = simulate(build_schedule("2bw", 2, 4, steps=8))
+    panels = []
+    monkeypatch.setattr(render, "draw_panels", lambda p, path, **kw: panels.extend(p) or path)
+    render.draw_timelines([tl], tmp_path / "t.png")
+    (panel,) = panels
+    cut = sorted(start for start, _ in tl.spans.values())[50]
+    assert len(panel.spans) == 50 and all(s.start < cut for s in panel.spans)
+    assert panel.title.endswith(f"(up to time {cut:.4g} of {tl.makespan:.4g})"), panel.title

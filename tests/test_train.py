@@ -48,9 +48,11 @@ def test_resume_from_a_checkpoint_is_bit_exact(tmp_path, cache_dir, schedule, co
     full, part = tmp_path / "full", tmp_path / "part"
     train(config, out_dir=full)
     part.mkdir()
-    shutil.copy(full / "config.toml", part / "config.toml")
+    for name in ("config.toml", "data.json"):
+        shutil.copy(full / name, part / name)
     (part / "checkpoints").mkdir()
-    shutil.copy(full / "checkpoints" / "step_00000005.pt", part / "checkpoints")
+    for name in ("step_00000005.pt", "step_00000005.json"):
+        shutil.copy(full / "checkpoints" / name, part / "checkpoints")
     # A run killed at step 7: metrics up to 7, the newest checkpoint at 5.
     (part / "metrics.jsonl").write_text("".join(
         line + "\n" for line in (full / "metrics.jsonl").read_text().splitlines()[:7]))

@@ -2,6 +2,7 @@
 
     bubblefree train [--preset NAME] [--config FILE.toml] [--set KEY=VALUE ...] [--out DIR]
                      [--resume DIR | --resume DIR/checkpoints/step_NNNNNNNN.pt [--branch]] [--data-moved]
+                     [--accept-damaged]
     bubblefree simulate --stages P --microbatches M --schedules a,b,... [--costs F:B:W[:U]] [--steps T] [--out DIR]
     bubblefree plan [--preset NAME] [--config FILE.toml] [--set KEY=VALUE ...] [--replicas R]
                     [--schedules a,b,...] [--costs F:B:W[:U]] [--steps T] [--out DIR]
@@ -26,14 +27,13 @@ import math
 import os
 import re
 import shlex
-import signal
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
-from bubblefree import __version__
+from bubblefree import __version__, interrupts
 from bubblefree.errors import TrainingDiverged, UserError, exit_code, naming
 from bubblefree.schedules.ir import SIMULATED_SCHEDULES
 
@@ -184,6 +184,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--data-moved", action="store_true",
                        help="with --resume: continue on data at another path (a new data.source may be set) "
                             "whose tokens are the run's own (checked)")
+    train.add_argument("--accept-damaged", action="store_true",
+                       help="with --resume: go on although the run's config.toml, data.json, metrics.jsonl or "
+                            "checkpoint manifest is missing or damaged (refused without it); each damaged file "
+                            "is kept beside its replacement as NAME.damaged-<time>")
 
     simulate = commands.add_parser(
         "simulate", help="compare pipeline schedules on paper: bubbles, delays, memory, timeline pictures",
@@ -278,10 +282,11 @@ def _train(args: argparse.Namespace) -> int:
     from bubblefree.train.presets import run_dir, train_config
     from bubblefree.train.resume import check_fresh_out_dir
 
-    for flag, given in (("--branch", args.branch), ("--data-moved", args.data_moved)):
+    for flag, given in (("--branch", args.branch), ("--data-moved", args.data_moved),
+                        ("--accept-damaged", args.accept_damaged)):
         if given and args.resume is None:
             raise UserError(f"Invalid {flag}: it goes with --resume (a new run has nothing to continue)")
-    config = train_config(args.preset, args.config, args.overrides, args.resume)
+    config = train_config(args.preset, args.config, args.overrides, args.resume, accept_damaged=args.accept_damaged)
     resume: bool | Path = args.resume is not None
     if resume:
         out_dir = run_dir(args.resume)
@@ -292,7 +297,8 @@ def _train(args: argparse.Namespace) -> int:
     else:
         out_dir = Path(args.out or f"runs/{args.preset or 'demo'}-{time.strftime('%Y%m%d-%H%M%S')}")
         check_fresh_out_dir(out_dir)
-    options = {"resume": resume, "branch": args.branch, "data_moved": args.data_moved}
+    options = {"resume": resume, "branch": args.branch, "data_moved": args.data_moved,
+               "accept_damaged": args.accept_damaged}
     if config.pipeline.runtime == "distributed":
         # One process per stage; every rank runs this same training loop with the distributed executor.
         from bubblefree.distributed import launch_local, run_worker
@@ -330,14 +336,14 @@ def _as_options(e: ValueError) -> UserError:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from bubblefree.schedules.ir import build_schedule
+    from bubblefree.schedules.ir import check_schedule
     from bubblefree.schedules.report import simulate_schedules
 
     costs = _parse_costs(args.costs)
     try:
         schedules = [name for name in args.schedules.split(",") if name]
         for name in schedules:  # check every name before printing anything
-            build_schedule(name, args.stages, args.microbatches, steps=args.steps)
+            check_schedule(name, args.stages, args.microbatches, steps=args.steps)  # building could take minutes
     except ValueError as e:
         raise _as_options(e) from None
     if args.out is not None:  # its own earlier output may be replaced, nothing else
@@ -474,30 +480,36 @@ def _reproduce(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the command line; return the exit code (the console script exits with it)."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    previous = signal.getsignal(signal.SIGTERM)
-    if previous is signal.SIG_DFL and _main_thread():
-        # SIGTERM as Ctrl-C: before and after a run's training loop (which defers both to a step boundary)
-        # it ends the command with exit code 130 and one line, not with the kernel's 143.
-        signal.signal(signal.SIGTERM, signal.default_int_handler)
-    try:
-        for number in number_options(parser)[args.command]:  # ranges first (docs/reliability.md)
-            number.check(getattr(args, number.dest))
-        return {"train": _train, "simulate": _simulate, "plan": _plan, "bench": _bench, "reproduce": _reproduce,
-                "export": _export}[args.command](args)
-    except (Exception, KeyboardInterrupt) as e:
-        return exit_code(e)
-    finally:
-        if previous is signal.SIG_DFL and _main_thread():
-            signal.signal(signal.SIGTERM, previous)
-
-
-def _main_thread() -> bool:
-    import threading
-
-    return threading.current_thread() is threading.main_thread()
+    """Run the command line; return the exit code. Without ``argv`` this is the program (the console script,
+    ``python -m bubblefree``), which ends when it returns: SIGINT and SIGTERM are left ignored then, so nothing
+    after the command's outcome can change its exit code (``bubblefree.interrupts``); a caller in the same
+    process (with ``argv``) gets its own handlers back."""
+    with interrupts.command(program=argv is None):  # SIGTERM as Ctrl-C, from here to the process's exit: 130
+        try:
+            try:
+                parser = build_parser()
+                args = parser.parse_args(argv)
+                for number in number_options(parser)[args.command]:  # ranges first (docs/reliability.md)
+                    number.check(getattr(args, number.dest))
+                code = {"train": _train, "simulate": _simulate, "plan": _plan, "bench": _bench,
+                        "reproduce": _reproduce, "export": _export}[args.command](args)
+            finally:
+                interrupts.settle()  # the outcome is known: a signal from here on changes nothing
+        except (Exception, KeyboardInterrupt) as e:
+            code = exit_code(e)
+        if code == 0 and interrupts.signalled():  # too late to stop anything, yet the shell was asked to stop
+            print("bubblefree: interrupted after the command had done its work (nothing is missing)",
+                  file=sys.stderr, flush=True)
+            code = 130
+    if code == 130 and argv is None:
+        # CPython ends a process by SIGINT, whatever code the program returns, once a KeyboardInterrupt has
+        # passed through code it exec'd (the methods dataclasses generate, while torch is being imported):
+        # measured, one interrupted run in four of a storm during the imports. The program's output is
+        # complete and its files closed, so it ends here with its own code.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

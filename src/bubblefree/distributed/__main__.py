@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="continue the run in DIR (default: --out), or from DIR/checkpoints/step_N.pt")
     parser.add_argument("--branch", action="store_true", help="as bubblefree train --branch")
     parser.add_argument("--data-moved", action="store_true", help="as bubblefree train --data-moved")
+    parser.add_argument("--accept-damaged", action="store_true", help="as bubblefree train --accept-damaged")
     args = parser.parse_args(argv)
     try:
         resume = args.resume if args.resume else args.out if args.resume == "" else None
@@ -43,14 +44,15 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError("Invalid --resume: name the run folder (--resume DIR)")
         if resume is None and args.out is None:
             raise UserError("Invalid command: --out DIR is required for a new run")
-        config = train_config(args.preset, args.config, args.overrides, resume)
+        config = train_config(args.preset, args.config, args.overrides, resume, accept_damaged=args.accept_damaged)
         config.pipeline.runtime = "distributed"
         validate(config, replicas=int(os.environ.get("WORLD_SIZE", config.pipeline.stages)) // config.pipeline.stages)
         out_dir = run_dir(resume) if resume is not None else args.out
         if resume is not None and args.out is not None and os.path.abspath(args.out) != os.path.abspath(out_dir):
             raise UserError(f"Invalid --out: {args.out} (a resumed run writes to its own folder {out_dir})")
         run_worker(config, out_dir=out_dir, resume=resume if resume and resume.endswith(".pt") else
-                   resume is not None, branch=args.branch, data_moved=args.data_moved)
+                   resume is not None, branch=args.branch, data_moved=args.data_moved,
+                   accept_damaged=args.accept_damaged)
     except (Exception, KeyboardInterrupt) as e:
         # Every rank knows a user error, a divergence or a stop: the first process of each node says it.
         speaks = os.environ.get("LOCAL_RANK", "0") == "0" or exit_code_of(e) == 1

@@ -142,7 +142,7 @@ def _executor(config: Config, model: torch.nn.Module, data: object, out_dir: Pat
 
 
 def run_worker(config: Config, *, out_dir: str | Path, resume: bool | str | Path = False, branch: bool = False,
-               data_moved: bool = False, launched: bool = False) -> None:
+               data_moved: bool = False, accept_damaged: bool = False, launched: bool = False) -> None:
     """Body of one process of a run (environment from torchrun, or from :func:`launch_local`: ``launched``,
     whose launcher holds the run folder's lock; under torchrun rank 0 takes it here)."""
     out_dir = Path(out_dir)
@@ -152,11 +152,12 @@ def run_worker(config: Config, *, out_dir: str | Path, resume: bool | str | Path
             if not resume:
                 check_fresh_out_dir(out_dir)
             held.enter_context(hold(out_dir, what="--resume" if resume else "--out", create=not resume))
-        _run_rank(config, out_dir, rank, resume=resume, branch=branch, data_moved=data_moved)
+        _run_rank(config, out_dir, rank, resume=resume, branch=branch, data_moved=data_moved,
+                  accept_damaged=accept_damaged)
 
 
 def _run_rank(config: Config, out_dir: Path, rank: int, *, resume: bool | str | Path, branch: bool,
-              data_moved: bool) -> None:
+              data_moved: bool, accept_damaged: bool) -> None:
 
     _watchdog(out_dir, rank)
     try:
@@ -165,7 +166,8 @@ def _run_rank(config: Config, out_dir: Path, rank: int, *, resume: bool | str | 
         # every rank alike (the ranks agree on the config).
         cuda = config.train.device != "cpu" and torch.cuda.is_available()
         init_backend(timeout_s=timeout_s(), device_type="cuda" if cuda else "cpu")
-        train(config, out_dir=out_dir, resume=resume, branch=branch, data_moved=data_moved, lock=False,
+        train(config, out_dir=out_dir, resume=resume, branch=branch, data_moved=data_moved,
+              accept_damaged=accept_damaged, lock=False,
               barrier=_agree, executor=_executor, stop=StopAgreement(config.pipeline.stages))
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -190,12 +192,13 @@ def exit_at_once(code: int) -> None:
 
 
 def _spawned(index: int, config: Config, out_dir: str, nprocs: int, port: int, resume: bool | str | Path,
-             threads: int, branch: bool, data_moved: bool) -> None:
+             threads: int, branch: bool, data_moved: bool, accept_damaged: bool) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(index), LOCAL_RANK=str(index),
                       WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs))
     torch.set_num_threads(threads)
     try:
-        run_worker(config, out_dir=out_dir, resume=resume, branch=branch, data_moved=data_moved, launched=True)
+        run_worker(config, out_dir=out_dir, resume=resume, branch=branch, data_moved=data_moved,
+                   accept_damaged=accept_damaged, launched=True)
     except Interrupted:  # the launcher says where the checkpoint is; a normal exit releases what spawn shared
         sys.exit(130)
     except BaseException:  # recorded by run_worker; launch_local reads the record, not this exit code
@@ -203,11 +206,13 @@ def _spawned(index: int, config: Config, out_dir: str, nprocs: int, port: int, r
 
 
 def launch_local(config: Config, out_dir: str | Path, nprocs: int | None = None, *,
-                 resume: bool | str | Path = False, branch: bool = False, data_moved: bool = False) -> None:
+                 resume: bool | str | Path = False, branch: bool = False, data_moved: bool = False,
+                 accept_damaged: bool = False) -> None:
     """Run ``config`` with ``nprocs`` local processes (default ``pipeline.stages``; a multiple of it gives
     ``nprocs / P`` data-parallel replicas). Raises :class:`PipelineFailure` naming the first failed rank, or
     the :class:`~bubblefree.errors.UserError` a rank raised. The launcher holds the run folder's lock for the
-    life of the run (``resume``, ``branch``, ``data_moved``: as :func:`bubblefree.train.train` takes them)."""
+    life of the run (``resume``, ``branch``, ``data_moved``, ``accept_damaged``: as :func:`bubblefree.train.train`
+    takes them)."""
     nprocs = nprocs or config.pipeline.stages
     if nprocs < 1 or nprocs % config.pipeline.stages:
         raise ValueError(f"Invalid nprocs: {nprocs} (must be a multiple of pipeline.stages = {config.pipeline.stages})")
@@ -217,15 +222,16 @@ def launch_local(config: Config, out_dir: str | Path, nprocs: int | None = None,
     if not resume:
         check_fresh_out_dir(out_dir)
     with hold(out_dir, what="--resume" if resume else "--out", create=not resume):
-        _launch(config, out_dir, nprocs, resume=resume, branch=branch, data_moved=data_moved)
+        _launch(config, out_dir, nprocs, resume=resume, branch=branch, data_moved=data_moved,
+                accept_damaged=accept_damaged)
 
 
 def _launch(config: Config, out_dir: Path, nprocs: int, *, resume: bool | str | Path, branch: bool,
-            data_moved: bool) -> None:
+            data_moved: bool, accept_damaged: bool) -> None:
     shutil.rmtree(out_dir / ERRORS_DIR, ignore_errors=True)  # an earlier attempt's failures are not this run's
     threads = max(1, (os.cpu_count() or 1) // nprocs)
     ctx = mp.start_processes(_spawned, args=(config, str(out_dir), nprocs, _free_port(), resume, threads, branch,
-                                             data_moved),
+                                             data_moved, accept_damaged),
                              nprocs=nprocs, join=False, start_method="spawn")
     # join() logs a warning for every process it terminates after a failure; the failure raised below names
     # the rank and cause in one line, which a user error must be alone in saying.

@@ -39,9 +39,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-from torch import nn
+if TYPE_CHECKING:  # annotations only: `bubblefree --help` and the CLI's signal handling start before torch loads
+    import torch
+    from torch import nn
 
 __all__ = ["SCHEDULES", "SCHEDULE_SPECS", "ScheduleSpec", "get_schedule", "n_partitions", "parameter_delays",
            "stage_delays", "weight_versions"]

@@ -17,12 +17,16 @@ delay table the training uses (:func:`bubblefree.schedules.delays.stage_delays`)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
+from typing import NamedTuple
 
-__all__ = ["SIMULATED_SCHEDULES", "Action", "Schedule", "build_schedule", "one_f_one_b_order"]
+__all__ = ["SIMULATED_SCHEDULES", "Action", "Schedule", "build_schedule", "check_schedule", "one_f_one_b_order",
+           "simulated_actions"]
 
 
-@dataclass(frozen=True, order=True)
-class Action:
+class Action(NamedTuple):
+    """A tuple, not a dataclass: the simulator hashes millions of them, and a tuple hashes in C."""
+
     stage: int
     kind: str
     microbatch: int
@@ -122,6 +126,22 @@ def _wpipe(rank: int, n_ranks: int, per_step: list[range]) -> list[Action]:
 SIMULATED_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "2bw", "pipedream", "wpipe")
 
 
+def check_schedule(name: str, n_stages: int, n_microbatches: int, *, steps: int = 1) -> None:
+    """The ValueError :func:`build_schedule` would raise for these arguments, without building anything (a
+    command checks every schedule it was asked for before simulating any)."""
+    if name not in SIMULATED_SCHEDULES:
+        raise ValueError(f"Invalid schedule: {name!r} (choose from {', '.join(SIMULATED_SCHEDULES)})")
+    for label, value in (("stages", n_stages), ("microbatches", n_microbatches), ("steps", steps)):
+        if value < 1:
+            raise ValueError(f"Invalid {label}: {value} (must be >= 1)")
+    if name == "interleaved-1f1b" and n_microbatches % n_stages:
+        raise ValueError(f"Invalid microbatches: {n_microbatches} (interleaved 1F1B needs a multiple of the "
+                         f"stages, {n_stages})")
+    if name == "2bw" and n_microbatches < n_stages:
+        raise ValueError(f"Invalid microbatches: {n_microbatches} (PipeDream-2BW needs at least one per stage, "
+                         f"{n_stages})")
+
+
 def build_schedule(name: str, n_stages: int, n_microbatches: int, *, steps: int = 1, chunks: int = 2) -> Schedule:
     """The per-rank action orders of schedule ``name`` for ``steps`` optimizer steps.
 
@@ -129,27 +149,19 @@ def build_schedule(name: str, n_stages: int, n_microbatches: int, *, steps: int 
     update is the microbatch), so ``n_microbatches`` is ignored there. ``zero-bubble`` returns the 1F1B order
     with split backwards; its W actions are placed greedily by the timeline simulator (ZB-H1 policy).
     """
-    if name not in SIMULATED_SCHEDULES:
-        raise ValueError(f"Invalid schedule: {name!r} (choose from {', '.join(SIMULATED_SCHEDULES)})")
-    for label, value in (("stages", n_stages), ("microbatches", n_microbatches), ("steps", steps)):
-        if value < 1:
-            raise ValueError(f"Invalid {label}: {value} (must be >= 1)")
+    check_schedule(name, n_stages, n_microbatches, steps=steps)
     P, M = n_stages, n_microbatches
     per_step = [range(t * M, (t + 1) * M) for t in range(steps)]
     if name == "gpipe":
-        orders = [sum((_gpipe(s, mbs) for mbs in per_step), []) for s in range(P)]
+        orders = [_steps(_gpipe(s, mbs) for mbs in per_step) for s in range(P)]
         return Schedule(name, P, P, M, steps, _freeze(orders), "flush")
     if name in ("1f1b", "zero-bubble"):
-        orders = [sum((one_f_one_b_order(s, P, mbs) for mbs in per_step), []) for s in range(P)]
+        orders = [_steps(one_f_one_b_order(s, P, mbs) for mbs in per_step) for s in range(P)]
         return Schedule(name, P, P, M, steps, _freeze(orders), "flush", split_backward=name == "zero-bubble")
     if name == "interleaved-1f1b":
-        if M % P:
-            raise ValueError(f"Invalid microbatches: {M} (interleaved 1F1B needs a multiple of the stages, {P})")
-        orders = [sum((_interleaved(r, P, chunks, mbs) for mbs in per_step), []) for r in range(P)]
+        orders = [_steps(_interleaved(r, P, chunks, mbs) for mbs in per_step) for r in range(P)]
         return Schedule(name, P * chunks, P, M, steps, _freeze(orders), "flush")
     if name == "2bw":
-        if M < P:
-            raise ValueError(f"Invalid microbatches: {M} (PipeDream-2BW needs at least one per stage, {P})")
         orders = [one_f_one_b_order(s, P, range(steps * M)) for s in range(P)]
         return Schedule(name, P, P, M, steps, _freeze(orders), "2bw")
     if name == "wpipe":
@@ -158,6 +170,19 @@ def build_schedule(name: str, n_stages: int, n_microbatches: int, *, steps: int 
     # PipeDream updates after every microbatch: the same work as `steps` batches of M is steps * M updates.
     orders = [one_f_one_b_order(s, P, range(steps * M)) for s in range(P)]
     return Schedule(name, P, P, 1, steps * M, _freeze(orders), "pipedream")
+
+
+def simulated_actions(name: str, n_stages: int, n_microbatches: int, *, steps: int = 1, chunks: int = 2) -> int:
+    """How many actions the timeline of ``build_schedule(name, ...)`` holds (zero bubble's W actions included),
+    known before anything is built: what sizes a simulation's time and memory. Two per microbatch and stage
+    (three with a split backward) on ``n_stages`` stages, ``chunks`` times that interleaved, twice for WPipe."""
+    per_microbatch = {"interleaved-1f1b": 2 * chunks, "wpipe": 4, "zero-bubble": 3}.get(name, 2)
+    return per_microbatch * n_stages * n_microbatches * steps
+
+
+def _steps(per_step) -> list[Action]:
+    """One rank's orders of consecutive steps, joined (in linear time, where ``sum(lists, [])`` is quadratic)."""
+    return list(chain.from_iterable(per_step))
 
 
 def _freeze(orders: list[list[Action]]) -> tuple[tuple[Action, ...], ...]:

@@ -16,12 +16,17 @@ weights it is applied to, which is exactly the training delay ``d_s``.
 
 from __future__ import annotations
 
+import heapq
 from collections import defaultdict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from bubblefree.schedules.ir import Action, Schedule
 
-__all__ = ["Costs", "Timeline", "simulate"]
+__all__ = ["PROGRESS_EVERY", "Costs", "Timeline", "simulate"]
+
+PROGRESS_EVERY = 1 << 14
+"""Actions between two calls of :func:`simulate`'s ``progress`` (a few hundredths of a second of work)."""
 
 
 @dataclass(frozen=True)
@@ -69,8 +74,8 @@ class Timeline:
 
     def busy(self) -> list[float]:
         busy = [0.0] * self.schedule.n_ranks
-        for action, (start, end) in self.spans.items():
-            busy[self.rank_of[action]] += end - start
+        for rank, (start, end) in zip(self.rank_of.values(), self.spans.values(), strict=True):  # one key order
+            busy[rank] += end - start
         for stage, _ in self.updates:
             busy[self.schedule.rank_of(stage)] += self.update_s
         return busy
@@ -92,68 +97,90 @@ class Timeline:
 
     def peak_activations(self) -> list[int]:
         """Per stage: the most microbatches whose forward has started and whose last backward has not ended."""
-        return self._peak(lambda stage, j: (self.spans[Action(stage, "F", j)][0], self._last_backward_end(stage, j)))
+        return [_peak_overlap([(start, end) for _, start, end, _ in lives]) for lives in self._lifetimes()]
 
     def open_steps(self) -> list[int]:
         """Per stage: the most optimizer steps under way at once, each from the first forward of its first
         microbatch to the end of its update there (the life of the step's gradients, and in the distributed
         runtime's asynchronous loop of the step's own copy of the weights)."""
         M = self.schedule.n_microbatches
-        first: dict[tuple[int, int], float] = {}
-        for (stage, j) in self.versions_used:
-            start = self.spans[Action(stage, "F", j)][0]
-            key = (stage, j // M)
-            first[key] = min(first.get(key, start), start)
         counts = []
-        for stage in range(self.schedule.n_stages):
-            events = [e for (s, t), start in first.items() if s == stage
-                      for e in ((start, 1), (self.updates.get((s, t), start), -1))]
+        for stage, lives in enumerate(self._lifetimes()):
+            first: dict[int, float] = {}
+            for j, start, _, _ in lives:
+                first[j // M] = min(first.get(j // M, start), start)
+            events = sorted(e for t, start in first.items()
+                            for e in ((start, 1), (self.updates.get((stage, t), start), -1)))
             level = peak = 0
-            for _, delta in sorted(events):
+            for _, delta in events:
                 level += delta
                 peak = max(peak, level)
             counts.append(peak)
         return counts
 
     def weight_versions(self) -> list[int]:
-        """Per stage: the most weight versions alive at once (the newest plus every older one still in use)."""
-        S = self.schedule.n_stages
+        """Per stage: the most weight versions alive at once (the newest plus every older one still in use).
+
+        Counted at time 0 and at each of the stage's updates (the only moments the newest version changes):
+        a microbatch holds its version from its forward's start until its last backward part ends. One sweep
+        over the sorted starts, ends and updates of the stage."""
         peaks = []
-        for stage in range(S):
-            events = sorted({t for (s, _), t in self.updates.items() if s == stage} | {0.0})
+        updated: list[list[float]] = [[] for _ in range(self.schedule.n_stages)]
+        for (stage, _), t in self.updates.items():
+            updated[stage].append(t)
+        for stage, lives in enumerate(self._lifetimes()):
+            times = sorted(updated[stage])
+            starts = sorted((start, version) for _, start, _, version in lives)
+            ends = sorted((end, version) for _, _, end, version in lives)
+            holders: dict[int, int] = defaultdict(int)  # version -> microbatches holding it now
+            distinct = i_start = i_end = newest = 0
             peak = 1
-            for time in events:
-                newest = sum(1 for (s, _), t in self.updates.items() if s == stage and t <= time)
-                live = {newest}
-                for (s, j), version in self.versions_used.items():
-                    if s == stage and self.spans[Action(s, "F", j)][0] <= time < self._last_backward_end(s, j):
-                        live.add(version)
-                peak = max(peak, len(live))
+            for time in sorted({*times, 0.0}):
+                while i_start < len(starts) and starts[i_start][0] <= time:
+                    distinct += holders[starts[i_start][1]] == 0
+                    holders[starts[i_start][1]] += 1
+                    i_start += 1
+                while i_end < len(ends) and ends[i_end][0] <= time:  # an end never precedes its start
+                    holders[ends[i_end][1]] -= 1
+                    distinct -= holders[ends[i_end][1]] == 0
+                    i_end += 1
+                while newest < len(times) and times[newest] <= time:
+                    newest += 1
+                peak = max(peak, distinct + (holders[newest] == 0))
             peaks.append(peak)
         return peaks
 
-    def _last_backward_end(self, stage: int, j: int) -> float:
-        w = self.spans.get(Action(stage, "W", j))
-        return (w or self.spans[Action(stage, "B", j)])[1]
-
-    def _peak(self, interval) -> list[int]:
-        counts = []
-        for stage in range(self.schedule.n_stages):
-            events = []
-            for (s, j) in self.versions_used:
-                if s == stage:
-                    start, end = interval(s, j)
-                    events += [(start, 1), (end, -1)]
-            level = peak = 0
-            for _, delta in sorted(events, key=lambda e: (e[0], e[1])):
-                level += delta
-                peak = max(peak, level)
-            counts.append(peak)
-        return counts
+    def _lifetimes(self) -> list[list[tuple[int, float, float, int]]]:
+        """Per stage, ``(microbatch, forward start, last backward end, version)`` of each microbatch it ran."""
+        spans = self.spans  # looked up by plain tuples, which hash and compare as Actions do, and faster
+        lives: list[list[tuple[int, float, float, int]]] = [[] for _ in range(self.schedule.n_stages)]
+        for (stage, j), version in self.versions_used.items():
+            last = spans.get((stage, "W", j)) or spans[(stage, "B", j)]
+            lives[stage].append((j, spans[(stage, "F", j)][0], last[1], version))
+        return lives
 
 
-def simulate(schedule: Schedule, costs: Costs = Costs()) -> Timeline:
-    """List-schedule every rank's actions and return the timeline (deterministic, no randomness)."""
+def _peak_overlap(intervals: list[tuple[float, float]]) -> int:
+    """The most intervals ``[start, end)`` that overlap at one moment (an end before a start at equal times)."""
+    level = peak = 0
+    for _, delta in sorted(e for start, end in intervals for e in ((start, 1), (end, -1))):
+        level += delta
+        peak = max(peak, level)
+    return peak
+
+
+def simulate(schedule: Schedule, costs: Costs = Costs(), *,
+             progress: Callable[[int, int], None] | None = None) -> Timeline:
+    """List-schedule every rank's actions and return the timeline (deterministic, no randomness).
+
+    Every rank offers one candidate, its next action (or a pending ``W``) with the time it could start; the
+    earliest candidate runs, ties going to the lowest rank. Running an action changes only the candidates of
+    its own rank and of the ranks whose next action waits for it (the neighbouring stages), so only those are
+    recomputed and a heap keeps the earliest: ``O(E log R)`` for ``E`` actions on ``R`` ranks, where scanning
+    every rank for every action cost ``O(E R)``. ``progress(done, total)``, if given, is called every
+    ``PROGRESS_EVERY`` actions and after the last. The test suite keeps the full scan as the reference this
+    must equal event for event (``tests/timeline_reference.py``).
+    """
     S, R, M = schedule.n_stages, schedule.n_ranks, schedule.n_microbatches
     chunks = S // R
     split = schedule.split_backward
@@ -163,96 +190,129 @@ def simulate(schedule: Schedule, costs: Costs = Costs()) -> Timeline:
         "W": costs.weight / chunks,
     }
     tl = Timeline(schedule, update_s=costs.update / chunks)
-    ptr, clock = [0] * R, [0.0] * R
-    pending_w: list[deque[Action]] = [deque() for _ in range(R)]
-    remaining = defaultdict(int)  # (stage, step) -> backward parts still to run before the update
-    for order in schedule.orders:
+    spans, rank_of, versions_used, updates = tl.spans, tl.rank_of, tl.versions_used, tl.updates
+    orders, lengths = schedule.orders, [len(order) for order in schedule.orders]
+    n_units = schedule.n_steps * M  # microbatch indices run over 0 .. n_units - 1
+    # End times of each stage's forwards and backwards by microbatch: the inputs the next actions wait for.
+    f_end: list[list[float | None]] = [[None] * n_units for _ in range(S)]
+    b_end: list[list[float | None]] = [[None] * n_units for _ in range(S)]
+    rank = [schedule.rank_of(s) for s in range(S)]
+    hop = [costs.comm if rank[s] != rank[s - 1] else 0.0 for s in range(S)]  # into stage s from s - 1 or back
+    remaining = [[0] * schedule.n_steps for _ in range(S)]  # backward parts still to run before each update
+    parts = 2 if split else 1
+    for order in orders:
         for a in order:
             if a.kind == "B":
-                remaining[(a.stage, a.microbatch // M)] += 2 if split else 1
+                remaining[a.stage][a.microbatch // M] += parts
+    total = sum(lengths) + (sum(map(sum, remaining)) // 2 if split else 0)
+    ptr, clock = [0] * R, [0.0] * R
+    pending_w: list[deque[Action]] = [deque() for _ in range(R)]
     in_flight = [0] * R  # microbatches holding activations on each rank (zero bubble: until their W)
-    updates_done = defaultdict(int)
-
-    def ready_time(a: Action) -> float | None:
-        deps = []
-        if a.kind == "F" and a.stage > 0:
-            deps.append(Action(a.stage - 1, "F", a.microbatch))
-        if a.kind == "B":
-            deps.append(Action(a.stage, "F", a.microbatch))
-            if a.stage < S - 1:
-                deps.append(Action(a.stage + 1, "B", a.microbatch))
-        times = []
-        for dep in deps:
-            if dep not in tl.spans:
-                return None
-            hop = costs.comm if schedule.rank_of(dep.stage) != schedule.rank_of(a.stage) else 0.0
-            times.append(tl.spans[dep][1] + hop)
-        return max(times, default=0.0)
-
-    def run(rank: int, a: Action, start: float) -> None:
-        end = start + duration[a.kind]
-        tl.spans[a], tl.rank_of[a] = (start, end), rank
-        clock[rank] = end
-        step = a.microbatch // M
-        in_flight[rank] += {"F": 1, "B": 0 if split else -1, "W": -1}[a.kind]
-        if a.kind == "F":
-            tl.versions_used[(a.stage, a.microbatch)] = _version(a.stage, step)
-        if a.kind in ("B", "W"):
-            remaining[(a.stage, step)] -= 1
-            if remaining[(a.stage, step)] == 0:
-                # The update runs on this rank right after the step's last backward part here.
-                clock[rank] = tl.updates[(a.stage, step)] = end + tl.update_s
-                updates_done[a.stage] += 1
-        if a.kind == "B" and split:
-            pending_w[rank].append(Action(a.stage, "W", a.microbatch))
-
+    updates_done = [0] * S
     first_version: dict[tuple[int, int], int] = {}
 
-    def _version(stage: int, step: int) -> int:
+    def ready_time(a: Action) -> float | None:
+        """When ``a``'s inputs exist, or None while one is still to be computed."""
+        s, kind, j = a
+        if kind == "F":
+            if s == 0:
+                return 0.0
+            end = f_end[s - 1][j]
+            return None if end is None else end + hop[s]
+        if kind != "B":
+            return 0.0
+        own = f_end[s][j]
+        if own is None:
+            return None
+        if s == S - 1:
+            return own + 0.0
+        later = b_end[s + 1][j]
+        return None if later is None else max(own + 0.0, later + hop[s + 1])
+
+    # Each rank's order with None past its end, so "the next action" needs no bounds check.
+    queue = [[*order, None] for order in orders]
+    heap: list[tuple[float, int, int, Action]] = []
+    push = heapq.heappush
+    generation = [0] * R  # a heap entry counts only while its rank's generation is unchanged
+
+    def refresh(r: int) -> None:
+        """Push rank ``r``'s candidate: its pending W or its next action, at the time it could start."""
+        generation[r] += 1
+        nxt = queue[r][ptr[r]]
+        if pending_w[r]:
+            w = pending_w[r][0]
+            # A step's weight gradients must be complete before the next step's forward (flush) or at the end,
+            # and a new forward may not raise the activations held above 1F1B's P - s (ZB-H1's memory bound).
+            must = nxt is None or (
+                nxt.kind == "F"
+                and (nxt.microbatch // M > w.microbatch // M or in_flight[r] >= S - nxt.stage)
+            )
+            t_next = ready_time(nxt) if nxt is not None and not must else None
+            if must or t_next is None or t_next > clock[r]:
+                push(heap, (clock[r], r, generation[r], w))
+                return
+        if nxt is None:
+            return
+        t = ready_time(nxt)
+        if t is not None:
+            push(heap, (max(clock[r], t), r, generation[r], nxt))
+
+    def version(stage: int, step: int) -> int:
         now = updates_done[stage]
         if schedule.version_policy == "newest":  # every microbatch of the step at the version its first one saw
-            version = first_version.setdefault((stage, step), now)
-            assert version == now, f"stage {stage} updated between microbatches of step {step}"
+            seen = first_version.setdefault((stage, step), now)
+            assert seen == now, f"stage {stage} updated between microbatches of step {step}"
             return now
         if schedule.version_policy != "2bw":
             return now
         # PipeDream-2BW computes every gradient of step t at x_{t-1} on every stage (Narayanan et al. 2021), even
         # where a fresher version already exists (the last stage): a constant delay of one, two versions kept.
-        version = max(step - 1, 0)
-        assert version <= now <= version + 1, f"2BW needs x_{version} at stage {stage}, but {now} updates are done"
-        return version
+        v = max(step - 1, 0)
+        assert v <= now <= v + 1, f"2BW needs x_{v} at stage {stage}, but {now} updates are done"
+        return v
 
-    while True:
-        best = None  # (start, rank, action)
-        for r in range(R):
-            nxt = schedule.orders[r][ptr[r]] if ptr[r] < len(schedule.orders[r]) else None
-            if pending_w[r]:
-                w = pending_w[r][0]
-                # A step's weight gradients must be complete before the next step's forward (flush) or at the end,
-                # and a new forward may not raise the activations held above 1F1B's P - s (ZB-H1's memory bound).
-                must = nxt is None or (
-                    nxt.kind == "F"
-                    and (nxt.microbatch // M > w.microbatch // M or in_flight[r] >= S - nxt.stage)
-                )
-                t_next = ready_time(nxt) if nxt is not None and not must else None
-                if must or t_next is None or t_next > clock[r]:
-                    cand = (clock[r], r, w)
-                    best = cand if best is None or cand[:2] < best[:2] else best
-                    continue
-            if nxt is None:
-                continue
-            t = ready_time(nxt)
-            if t is not None:
-                cand = (max(clock[r], t), r, nxt)
-                best = cand if best is None or cand[:2] < best[:2] else best
-        if best is None:
-            break
-        start, r, a = best
-        if a.kind == "W":
+    for r in range(R):
+        refresh(r)
+    done = 0
+    while heap:
+        start, r, gen, a = heapq.heappop(heap)
+        if gen != generation[r]:
+            continue  # superseded: this rank's candidate changed after the entry was pushed
+        s, kind, j = a
+        if kind == "W":
             pending_w[r].popleft()
         else:
             ptr[r] += 1
-        run(r, a, start)
-    missing = sum(len(o) for o in schedule.orders) - sum(1 for a in tl.spans if a.kind != "W")
+        end = start + duration[kind]
+        spans[a], rank_of[a] = (start, end), r
+        clock[r] = end
+        step = j // M
+        if kind == "F":
+            in_flight[r] += 1
+            f_end[s][j] = end
+            versions_used[(s, j)] = version(s, step)
+        else:
+            if kind == "B":
+                b_end[s][j] = end
+            if kind == "W" or not split:
+                in_flight[r] -= 1
+            remaining[s][step] -= 1
+            if remaining[s][step] == 0:
+                # The update runs on this rank right after the step's last backward part here.
+                clock[r] = updates[(s, step)] = end + tl.update_s
+                updates_done[s] += 1
+            if kind == "B" and split:
+                pending_w[r].append(Action(s, "W", j))
+        refresh(r)
+        # The only other candidates this action can change: the next stage's forward and the previous stage's
+        # backward of the same microbatch, where they are next in their rank's order.
+        if kind == "F" and s + 1 < S and (nr := rank[s + 1]) != r and queue[nr][ptr[nr]] == (s + 1, "F", j):
+            refresh(nr)
+        if kind == "B" and s > 0 and (nr := rank[s - 1]) != r and queue[nr][ptr[nr]] == (s - 1, "B", j):
+            refresh(nr)
+        done += 1
+        if progress is not None and (done % PROGRESS_EVERY == 0 or done == total):
+            progress(done, total)
+    missing = sum(lengths) - sum(ptr)
     assert missing == 0, f"schedule {schedule.name} deadlocked with {missing} actions unscheduled"
     return tl

@@ -4,8 +4,10 @@ A checkpoint is one file ``RUN/checkpoints/step_NNNNNNNN.pt`` holding the step c
 the executor's state (weights, optimizer state, delay stash and Error Feedback buffers), the loop's own
 counters and the RNG states (torch, CUDA, numpy, python). Batches are a pure function of ``(seed, step,
 microbatch)``, so the step count is the data position. Beside it, ``step_NNNNNNNN.json`` is its manifest: the
-step, the config's sha256 (:func:`config_digest`), the bubblefree and torch versions, and the size and sha256
-of the checkpoint file.
+step, the config and its sha256 (:func:`config_digest`), the bubblefree and torch versions, the size and sha256
+of the checkpoint file, and those of the run's ``metrics.jsonl`` as it was then (its lines up to the step).
+A resume checks the run's ``config.toml`` and ``metrics.jsonl`` against them (``train.runfiles``) without
+loading the checkpoint.
 
 Both files are written to temporary names in the same folder, flushed and fsynced, then renamed (manifest
 first, so a checkpoint file never appears without its manifest), and the folder is fsynced: a crash leaves
@@ -47,6 +49,7 @@ import torch
 
 from bubblefree import __version__
 from bubblefree.errors import UserError
+from bubblefree.train.metrics import METRICS_FILE
 
 __all__ = ["CHECKPOINT_DIR", "FORMAT", "config_digest", "last_good_checkpoint", "latest_checkpoint", "layout_free",
            "list_checkpoints", "load_checkpoint", "manifest_path", "newer_checkpoints", "restore_rng", "resume_from",
@@ -147,7 +150,11 @@ def save_checkpoint(run_dir: str | Path, *, step: int, executor_state: dict[str,
     try:
         _write_synced(tmp, lambda f: _save_torch(payload, f, tmp))
         manifest = {"step": step, "file": path.name, "bytes": tmp.stat().st_size, "sha256": _sha256(tmp),
-                    "config_sha256": config_digest(config), "bubblefree": __version__, "torch": torch.__version__}
+                    "config_sha256": config_digest(config), "config": config, "bubblefree": __version__,
+                    "torch": torch.__version__}
+        metrics = Path(run_dir) / METRICS_FILE
+        if metrics.is_file():  # its lines up to this step, which a resume from here keeps (train.runfiles)
+            manifest["metrics"] = {"bytes": metrics.stat().st_size, "sha256": _sha256(metrics)}
         _write_synced(tmp_manifest, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
         os.replace(tmp_manifest, manifest_path(path))
         os.replace(tmp, path)
@@ -255,12 +262,15 @@ def verify_checkpoint(path: str | Path, *, advice_for=resume_from) -> dict[str, 
 
 
 def load_checkpoint(path: str | Path, *, map_location: str | torch.device = "cpu", advice_for=resume_from,
-                    verified: bool = False) -> dict[str, Any]:
+                    verified: bool = False, unverified: bool = False) -> dict[str, Any]:
     """Load a checkpoint written by :func:`save_checkpoint` after checking it against its manifest; a missing,
     truncated, altered or foreign file is a UserError naming it and, by ``advice_for(previous checkpoint)``,
-    what to do instead. ``verified``: a checkpoint without a manifest is refused too, not loaded unverified."""
+    what to do instead. ``verified``: a checkpoint without a manifest is refused too, not loaded unverified.
+    ``unverified``: the manifest is not read at all (a resume that accepted it as damaged, train.runfiles)."""
     path = Path(path)
-    manifest = verify_checkpoint(path, advice_for=advice_for)
+    if unverified and not path.is_file():
+        raise UserError(f"Invalid checkpoint: {path} does not exist")
+    manifest = None if unverified else verify_checkpoint(path, advice_for=advice_for)
     if manifest is None and verified:
         raise _damaged(path, f"has no manifest ({manifest_path(path).name}), so it cannot be verified", advice_for)
     try:
@@ -272,8 +282,9 @@ def load_checkpoint(path: str | Path, *, map_location: str | torch.device = "cpu
     if not isinstance(payload, dict) or payload.get("format") not in (1, FORMAT):
         raise UserError(f"Invalid checkpoint: {path} is not a bubblefree checkpoint")
     if manifest is None:
-        print(f"bubblefree: warning: {path} has no manifest ({manifest_path(path).name}); loaded it unverified",
-              file=sys.stderr, flush=True)
+        why = (f": its manifest {manifest_path(path).name} was accepted as missing or damaged" if unverified else
+               f" has no manifest ({manifest_path(path).name})")
+        print(f"bubblefree: warning: {path}{why}; loaded it unverified", file=sys.stderr, flush=True)
     elif (manifest.get("bubblefree"), manifest.get("torch")) != (__version__, torch.__version__):
         print(f"bubblefree: warning: {path} was written by bubblefree {manifest.get('bubblefree')} with torch "
               f"{manifest.get('torch')}, this is {__version__} with {torch.__version__}: the resumed steps may "

@@ -20,8 +20,6 @@ import math
 import os
 import random
 import shlex
-import signal
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +28,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from bubblefree import interrupts
 from bubblefree.config import (
     Config,
     apply_overrides,
@@ -67,6 +66,7 @@ from bubblefree.train.resume import (
     resume_hint,
     resume_state,
 )
+from bubblefree.train.runfiles import RunFiles, accept_damage, read_run_files
 from bubblefree.train.sim import SimExecutor
 
 __all__ = ["ExecutorFactory", "Interrupted", "SetupBarrier", "StopRule", "TrainingDiverged", "check_lengths",
@@ -129,49 +129,17 @@ class _OneProcessStop:
         pass
 
 
-@contextlib.contextmanager
 def _deferred_signals():
-    """Turn SIGINT and SIGTERM into a flag, checked at points of the setup and between steps, so the run stops
-    where it can: before it has written anything, or at a step boundary with a checkpoint. Installed even
-    where the shell set SIGINT to be ignored (a run started in the background).
-
-    No signal raises where it lands: a KeyboardInterrupt raised inside a library can be swallowed there
-    (numpy's Cython import machinery does, and the run would train on), or escape an ``exec`` of generated
-    code (dataclasses), after which ``python -m`` exits by SIGINT, not 130, however the interrupt was handled.
-    In the setup a second signal stops at once (the setup writes nothing; a long one need not be waited for).
-    In the loop every signal only sets the flag, however many arrive and in whatever order: one acting at once
-    would raise inside the step (in backward, say), lose it and print a traceback, or kill the process with
-    exit code 143. A step is short; to stop without waiting for it, SIGKILL: the resume from the last
-    checkpoint is exact. A rank of a distributed run gets the same signal from several senders (the
-    terminal, the launcher, torchrun's agent) alike; the launcher and the agent kill the ranks if they must."""
-    flag = {"hit": False, "setup": True}
-    if not _is_main_thread():
-        yield flag
-        return
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-
-    def handler(signum, frame):
-        if flag["hit"] and flag["setup"]:
-            raise KeyboardInterrupt
-        flag["hit"] = True
-
-    for sig in previous:
-        signal.signal(sig, handler)
-    try:
-        yield flag
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old if old is not None else signal.SIG_DFL)
+    """SIGINT and SIGTERM as the run's flag ``{"hit", "setup"}``, checked at points of the setup and between
+    steps, so the run stops where it can: before it has written anything, or at a step boundary with a
+    checkpoint (:func:`bubblefree.interrupts.deferred` says why nothing raises inside a step)."""
+    return interrupts.deferred()
 
 
 def _stop_if_signalled(signalled: dict[str, bool]) -> None:
     """A check point of the setup: a signal that has arrived stops the run here, before its first file."""
     if signalled["hit"]:
         raise KeyboardInterrupt
-
-
-def _is_main_thread() -> bool:
-    return threading.current_thread() is threading.main_thread()
 
 
 def check_lengths(config: Config, data: Any = None) -> None:
@@ -234,19 +202,24 @@ def _check_threads(config: Config) -> None:
 
 
 def _build(config: Config, out_dir: Path, resume: bool | str | Path, barrier: SetupBarrier | None,
-           make_executor: ExecutorFactory, signalled: dict[str, bool], *, branch: bool, data_moved: bool
-           ) -> tuple[Config, Executor, dict[str, Any] | None, dict[str, int], Any, dict[str, Any]]:
-    """Validate, load data, build the model and executor and restore the checkpoint; write nothing.
-    Between the stages a signal that has arrived (``signalled``, :func:`_deferred_signals`) stops the setup.
+           make_executor: ExecutorFactory, signalled: dict[str, bool], *, branch: bool, data_moved: bool,
+           accept_damaged: bool) -> tuple[Config, Executor, dict[str, Any] | None, dict[str, int], Any,
+                                          dict[str, Any], RunFiles | None]:
+    """Validate, read a resumed run's files, load data, build the model and executor and restore the
+    checkpoint; write nothing. Between the stages a signal that has arrived (``signalled``,
+    :func:`_deferred_signals`) stops the setup.
 
-    Every process of a distributed run reads the checkpoint file itself (so a multi-node resume needs the run
-    folder on a shared filesystem). Returns ``(config, executor, checkpoint or None, parameter counts, token
-    data, data record)``: the config with a ``model.init_from`` folder pinned (:func:`_start_from`), the
-    counts as ``{"params": all trainable, "params_non_embedding": without the vocabulary matrices}``.
+    Every process of a distributed run reads the run's files and the checkpoint itself (so a multi-node resume
+    needs the run folder on a shared filesystem). Returns ``(config, executor, checkpoint or None, parameter
+    counts, token data, data record, run files or None)``: the config with a ``model.init_from`` folder pinned
+    (:func:`_start_from`), the counts as ``{"params": all trainable, "params_non_embedding": without the
+    vocabulary matrices}``, the run files as a resume read them (``train.runfiles``: damage accepted or none).
     """
-    failure, ckpt = None, None
+    failure, ckpt, files = None, None, None
     try:
         validate(config)
+        if resume:  # before the data: a damaged run folder is refused at once
+            files = read_run_files(out_dir, resume, accept_damaged=accept_damaged)
         if config.log.tensorboard:
             tensorboard_writer()
         folder = read_hf_folder(config.model.init_from) if config.model.init_from else None
@@ -263,9 +236,9 @@ def _build(config: Config, out_dir: Path, resume: bool | str | Path, barrier: Se
         if config.train.compile:
             model.compile_blocks()
         _stop_if_signalled(signalled)
-        pinned = check_data(config, data, out_dir, resume=bool(resume), data_moved=data_moved)
-        ckpt = resume_state(config, out_dir, resume, model, data.vocab_size, branch=branch,
-                             data_moved=data_moved) if resume else None
+        pinned = check_data(config, data, files.data_record if files else None, data_moved=data_moved)
+        ckpt = resume_state(config, out_dir, resume, model, data.vocab_size, branch=branch, data_moved=data_moved,
+                            unverified=not files.manifest_ok) if files else None
     except Exception as e:  # reported through the barrier first, so that no other process waits for this one
         failure = e
     if barrier is not None:
@@ -281,7 +254,7 @@ def _build(config: Config, out_dir: Path, resume: bool | str | Path, barrier: Se
         restore_rng(ckpt["rng"])
     _stop_if_signalled(signalled)
     counts = {"params": model.num_params(), "params_non_embedding": model.num_params(embedding=False)}
-    return config, executor, ckpt, counts, data, pinned
+    return config, executor, ckpt, counts, data, pinned, files
 
 
 def _model_name(config: Config, counts: dict[str, int], data: Any) -> str:
@@ -331,8 +304,9 @@ def _diverged(step: int, stats: Any, out_dir: Path, config: Config) -> TrainingD
 
 
 def train(config: Config, *, out_dir: str | Path, resume: bool | str | Path = False, branch: bool = False,
-          data_moved: bool = False, lock: bool = True, barrier: SetupBarrier | None = None,
-          stop: StopRule | None = None, executor: ExecutorFactory | None = None) -> dict[str, Any]:
+          data_moved: bool = False, accept_damaged: bool = False, lock: bool = True,
+          barrier: SetupBarrier | None = None, stop: StopRule | None = None,
+          executor: ExecutorFactory | None = None) -> dict[str, Any]:
     """Train as ``config`` says, writing config.toml, metrics.jsonl, checkpoints and loss.png to ``out_dir``.
 
     With ``resume`` the newest checkpoint in ``out_dir`` (or the checkpoint file ``resume`` names) is loaded
@@ -348,9 +322,10 @@ def train(config: Config, *, out_dir: str | Path, resume: bool | str | Path = Fa
     to the end, and a second writer is refused; ``lock=False`` where a launcher holds it for the processes of
     a distributed run. A resume from an older checkpoint of a run that went on past it is refused unless
     ``branch`` (the newer checkpoints are moved aside, never deleted); a resume on data other than the run's
-    is refused, and on the same tokens at another path only with ``data_moved``. A filesystem that refuses a
-    write (read-only, full) ends the run with a :class:`~bubblefree.errors.FileSystemFault` naming the last
-    good checkpoint.
+    is refused, and on the same tokens at another path only with ``data_moved``. The run's own files are read
+    strictly before anything is written (``train.runfiles``): a missing or damaged one is refused unless
+    ``accept_damaged``, which keeps it beside its replacement. A filesystem that refuses a write (read-only,
+    full) ends the run with a :class:`~bubblefree.errors.FileSystemFault` naming the last good checkpoint.
 
     Every process of a distributed run calls this; they make the same executor calls in the same order, and
     only the executor's writer writes files and prints (the others return an empty summary).
@@ -368,7 +343,7 @@ def train(config: Config, *, out_dir: str | Path, resume: bool | str | Path = Fa
                     check_fresh_out_dir(out_dir)
                 held.enter_context(hold(out_dir, what="--resume" if resume else "--out", create=not resume))
             return _run(config, out_dir, resume, barrier, stop, executor or _sim_executor, signalled,
-                        branch=branch, data_moved=data_moved)
+                        branch=branch, data_moved=data_moved, accept_damaged=accept_damaged)
     except OSError as e:
         if e.errno not in FILESYSTEM_ERRNOS or not (out_dir / CONFIG_FILE).is_file():
             raise  # before the run's first file: the one-line OSError says all (errors.exit_code)
@@ -386,11 +361,12 @@ def train(config: Config, *, out_dir: str | Path, resume: bool | str | Path = Fa
 
 def _run(config: Config, out_dir: Path, resume: bool | str | Path, barrier: SetupBarrier | None,
          stop: StopRule | None, make_executor: ExecutorFactory, signalled: dict[str, bool], *, branch: bool,
-         data_moved: bool) -> dict[str, Any]:
+         data_moved: bool, accept_damaged: bool) -> dict[str, Any]:
     cfg = config.train
     try:
-        config, executor, ckpt, counts, data, pinned = _build(config, out_dir, resume, barrier, make_executor,
-                                                              signalled, branch=branch, data_moved=data_moved)
+        config, executor, ckpt, counts, data, pinned, files = _build(
+            config, out_dir, resume, barrier, make_executor, signalled, branch=branch, data_moved=data_moved,
+            accept_damaged=accept_damaged)
     except UserError:
         raise
     except ValueError as e:
@@ -407,13 +383,17 @@ def _run(config: Config, out_dir: Path, resume: bool | str | Path, barrier: Setu
             aside = set_aside(out_dir, start, (METRICS_FILE, PLOT_FILE, CONFIG_FILE, DATA_FILE))
             print(f"bubblefree: note: the checkpoints past step {start} and a copy of {METRICS_FILE} are in "
                   f"{aside}", flush=True)
+        kept = [line for step, line in files.metrics if step <= start] if files else []
+        for line in accept_damage(files, kept=len(kept), step=start) if files else ():
+            print(f"bubblefree: note: {line}", flush=True)
         _write_atomic(out_dir / CONFIG_FILE, dump_toml(config_from_dict(saved)))
         _write_atomic(out_dir / DATA_FILE, json.dumps(pinned, indent=1) + "\n")
         print(f"bubblefree: {'resuming' if resume else 'training'} {_model_name(config, counts, data)} on "
               f"{data.source}, step {start}/{cfg.steps}; outputs in {out_dir}", flush=True)
         for line in unused_keys(config):
             print(f"bubblefree: note: {line}", flush=True)
-        metrics = MetricsWriter(out_dir, tensorboard=config.log.tensorboard, resume_step=start if resume else None)
+        metrics = MetricsWriter(out_dir, tensorboard=config.log.tensorboard, resume_step=start if resume else None,
+                                keep=kept)
     bar = progress_bar(total=cfg.steps, initial=start, enabled=writer and config.log.progress)
     plain = writer and config.log.progress and bar.disable  # no terminal (a log file, nohup): plain lines
     tokens_per_step = cfg.batch_size * cfg.seq_len

@@ -15,6 +15,7 @@ import json
 import math
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,13 +30,16 @@ METRICS_FILE = "metrics.jsonl"
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """All records of a metrics.jsonl file (a torn last line from a killed run is skipped)."""
+    """All records of a metrics.jsonl file, for reading results: a line that is not a record (a torn last line
+    from a killed run, say) is skipped. A resume reads the file strictly instead (``train.runfiles``)."""
     records = []
-    for line in Path(path).read_text().splitlines():
+    for line in Path(path).read_bytes().splitlines():
         try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
+            record = json.loads(line)
+        except ValueError:  # not JSON, or not UTF-8
             continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            records.append(record)
     return records
 
 
@@ -52,17 +56,18 @@ def tensorboard_writer() -> type:
 class MetricsWriter:
     """Append records to ``out_dir/metrics.jsonl`` (and TensorBoard when asked).
 
-    ``resume_step``: when continuing from a checkpoint taken after ``resume_step`` steps, records past that
-    step are dropped first (they belong to the part of the run that is about to be recomputed identically),
-    so the file never holds a step twice.
+    ``resume_step``: when continuing from a checkpoint taken after ``resume_step`` steps, the file is first
+    rewritten to hold ``keep``: its lines up to that step, as the resume read them (strictly, before anything
+    was written: ``train.runfiles``), byte for byte. The records past that step belong to the part of the run
+    that is about to be recomputed identically, so the file never holds a step twice.
     """
 
-    def __init__(self, out_dir: str | Path, *, tensorboard: bool = False, resume_step: int | None = None):
+    def __init__(self, out_dir: str | Path, *, tensorboard: bool = False, resume_step: int | None = None,
+                 keep: Sequence[str] = ()):
         self.path = Path(out_dir) / METRICS_FILE
-        if resume_step is not None and self.path.exists():
-            keep = [r for r in read_metrics(self.path) if r["step"] <= resume_step]
+        if resume_step is not None:
             tmp = self.path.with_suffix(".jsonl.tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
+            tmp.write_text("".join(keep), encoding="utf-8")
             os.replace(tmp, self.path)
         self._file = self.path.open("a", buffering=1)
         self._tb = None

@@ -15,9 +15,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from bubblefree.config import Config, apply_overrides, config_from_dict, parse_override, read_toml, validate
 from bubblefree.errors import UserError
-from bubblefree.train.checkpoint import CHECKPOINT_DIR
+from bubblefree.train.checkpoint import CHECKPOINT_DIR, latest_checkpoint
+from bubblefree.train.runfiles import read_config, read_manifest, refusal
 
 __all__ = ["PRESETS", "async_baseline", "demo", "get_preset", "load_config", "pipedream", "run_dir", "smoke",
            "sync_baseline", "train_config"]
@@ -94,19 +97,41 @@ def load_config(preset: str | None = None, toml_path: str | Path | None = None,
     return validate(apply_overrides(config, parsed))
 
 
-def train_config(preset: str | None, config_file: str | None, overrides: list[str], resume: str | None) -> Config:
+def train_config(preset: str | None, config_file: str | None, overrides: list[str], resume: str | None, *,
+                 accept_damaged: bool = False) -> Config:
     """The Config of a ``train`` command line: preset < ``--config`` < ``--set``, or with ``resume`` the run's
     own config.toml < ``--set`` (a preset or config file is refused then). Shared by ``bubblefree train`` and
-    every rank under torchrun (``python -m bubblefree.distributed``)."""
+    every rank under torchrun (``python -m bubblefree.distributed``).
+
+    The run's config.toml is read strictly (``train.runfiles``): missing or damaged, it is refused unless
+    ``accept_damaged``, and then the config is the one the checkpoint to resume from holds. A folder with
+    neither config.toml nor checkpoints holds no run."""
     if resume is None:
         return load_config(preset, config_file, overrides)
     if preset is not None or config_file is not None:
         raise UserError("Invalid --resume: the run's own config.toml is used; only --set may change "
                         "(for example) train.steps")
-    saved = run_dir(resume) / "config.toml"
-    if not saved.is_file():
-        raise UserError(f"Invalid --resume: {resume} holds no run (no config.toml)")
-    config = config_from_dict(read_toml(saved), origin=str(saved))
+    folder = run_dir(resume)
+    saved = folder / "config.toml"
+    checkpoint = Path(resume) if Path(resume).suffix == ".pt" else latest_checkpoint(folder)
+    if not saved.is_file() and checkpoint is None:
+        raise UserError(f"Invalid --resume: {resume} holds no run (no config.toml, no checkpoint)")
+    manifest = read_manifest(checkpoint)[0] if checkpoint is not None and checkpoint.is_file() else None
+    data, damage = read_config(saved, reference=(manifest or {}).get("config"))
+    if damage is not None and not accept_damaged:
+        raise refusal([damage])
+    if damage is not None:
+        if checkpoint is None:
+            raise UserError(f"Invalid --resume: {damage}, and no checkpoint holds the run's config: start the run "
+                            f"anew")
+        data = (manifest or {}).get("config")
+        try:  # only its config: the setup verifies the checkpoint (its manifest, its state) before it is used
+            data = data if isinstance(data, dict) else torch.load(checkpoint, map_location="cpu",
+                                                                 weights_only=True)["config"]
+        except Exception:  # torch reports a torn or foreign file with several exception types
+            raise UserError(f"Invalid --resume: {damage}, and {checkpoint} cannot be read for the run's config: "
+                            f"start the run anew") from None
+    config = config_from_dict(data, origin=str(saved))
     return validate(apply_overrides(config, dict(parse_override(config, text) for text in overrides)))
 
 

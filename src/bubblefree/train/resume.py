@@ -9,7 +9,6 @@ distributed run refuses alike and no run folder is touched.
 from __future__ import annotations
 
 import dataclasses
-import json
 import shlex
 from pathlib import Path
 from typing import Any
@@ -78,15 +77,17 @@ def resolved(config: Config, vocab_size: int) -> Config:
 
 
 def resume_state(config: Config, out_dir: Path, resume: bool | str | Path, model: torch.nn.Module,
-                  vocab_size: int, *, branch: bool, data_moved: bool) -> dict[str, Any] | None:
+                  vocab_size: int, *, branch: bool, data_moved: bool, unverified: bool = False
+                  ) -> dict[str, Any] | None:
     """The checkpoint to continue from, its executor state layout-free, after checking that continuing from it
     loses nothing: a changed config (but for RESUMABLE_KEYS and LAYOUT_KEYS), a complete run, a later
     checkpoint it would overwrite, a layout the asynchronous state cannot move to. None for a run stopped
-    before its first checkpoint, which starts over at step 0 with its own config."""
+    before its first checkpoint, which starts over at step 0 with its own config. ``unverified``: its manifest
+    was accepted as missing or damaged (``train.runfiles``)."""
     path = latest_checkpoint(out_dir) if resume is True else Path(resume)
     if path is None:
         return None
-    ckpt = load_checkpoint(path)
+    ckpt = load_checkpoint(path, unverified=unverified)
     saved = config_from_dict(ckpt["config"], origin=f"checkpoint {path}")
     # Compared resolved: a run folder written before config.toml held resolved values resumes too. Moved data
     # may be named anew (its tokens are checked against the run's by check_data).
@@ -116,19 +117,15 @@ def resume_state(config: Config, out_dir: Path, resume: bool | str | Path, model
     return ckpt
 
 
-def check_data(config: Config, data: Any, out_dir: Path, *, resume: bool, data_moved: bool) -> dict[str, Any]:
-    """The run's data record (:data:`DATA_FILE`); on resume, refuse data other than the run's, saying what
-    differs. A run folder from before data was pinned has no record: it is pinned from this resume on."""
+def check_data(config: Config, data: Any, pinned: dict[str, Any] | None, *, data_moved: bool) -> dict[str, Any]:
+    """The run's data record (:data:`DATA_FILE`); on resume, refuse data other than the ``pinned`` record's
+    (as ``train.runfiles`` read it), saying what differs. Without one (a new run; a run stopped before its first
+    checkpoint, or one whose record was accepted as damaged) the run is pinned to the data it reads now."""
 
     now = {"source": resolved_source(config.data.source), **fingerprint(data)}
-    if not resume or not (out_dir / DATA_FILE).exists():
+    if pinned is None:
         return now
-    try:
-        pinned = json.loads((out_dir / DATA_FILE).read_text())
-        was = pinned["source"]
-    except (ValueError, KeyError, TypeError):
-        raise UserError(f"Invalid --resume: {out_dir / DATA_FILE} is not a data record (the run's data is "
-                        f"unknown)") from None
+    was = pinned["source"]
     differ = [f"{k.replace('_', ' ')} {pinned.get(k)} -> {now[k]}" for k in ("train_tokens", "val_tokens")
               if pinned.get(k) != now[k]]
     if pinned.get("sha256") != now["sha256"]:
