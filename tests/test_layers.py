@@ -26,7 +26,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("bubblefree.experiments", "bubblefree.export"),
     ("bubblefree.bench",),
     ("bubblefree.cli", "bubblefree.docs"),
-    ("bubblefree.__main__",),
+    ("bubblefree.__main__", "bubblefree.distributed.__main__"),
 ]
 """Lowest first. A module belongs to the longest entry that names it or a package above it (the root package
 ``bubblefree``, which only holds the version, names itself alone)."""

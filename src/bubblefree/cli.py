@@ -304,6 +304,9 @@ def _train(args: argparse.Namespace) -> int:
         from bubblefree.distributed import launch_local, run_worker
 
         if "RANK" in os.environ:  # started by torchrun: this process is one rank
+            from bubblefree.config import validate
+
+            validate(config, replicas=int(os.environ["WORLD_SIZE"]) // config.pipeline.stages)
             run_worker(config, out_dir=out_dir, **options)
             if os.environ["RANK"] != "0":  # the run's verdict is said once, by the rank that wrote it
                 return 0
@@ -481,7 +484,8 @@ def _reproduce(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; return the exit code. Without ``argv`` this is the program (the console script,
-    ``python -m bubblefree``), which ends when it returns: SIGINT and SIGTERM are left ignored then, so nothing
+    ``python -m bubblefree``, and every rank of ``torchrun -m bubblefree.distributed``), which ends when it
+    returns (at once, with its code, where that is not 0): SIGINT and SIGTERM are left ignored then, so nothing
     after the command's outcome can change its exit code (``bubblefree.interrupts``); a caller in the same
     process (with ``argv``) gets its own handlers back."""
     with interrupts.command(program=argv is None):  # SIGTERM as Ctrl-C, from here to the process's exit: 130
@@ -496,16 +500,18 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 interrupts.settle()  # the outcome is known: a signal from here on changes nothing
         except (Exception, KeyboardInterrupt) as e:
-            code = exit_code(e)
+            # Under torchrun every rank runs this command and knows the same failure: each node's first says it.
+            code = exit_code(e, say=os.environ.get("LOCAL_RANK", "0") == "0")
         if code == 0 and interrupts.signalled():  # too late to stop anything, yet the shell was asked to stop
             print("bubblefree: interrupted after the command had done its work (nothing is missing)",
                   file=sys.stderr, flush=True)
             code = 130
-    if code == 130 and argv is None:
-        # CPython ends a process by SIGINT, whatever code the program returns, once a KeyboardInterrupt has
-        # passed through code it exec'd (the methods dataclasses generate, while torch is being imported):
-        # measured, one interrupted run in four of a storm during the imports. The program's output is
-        # complete and its files closed, so it ends here with its own code.
+    if code != 0 and argv is None:
+        # A failed or stopped program ends here with its own code, its output flushed and its files closed,
+        # without the interpreter's teardown: CPython ends a process by SIGINT, whatever code it returns, once a
+        # KeyboardInterrupt has passed through code it exec'd (the methods dataclasses generate: measured, one
+        # run in four of a storm of signals during torch's import), and a rank under torchrun whose gloo
+        # threads still run after a failure aborts in their teardown (SIGABRT instead of its code).
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

@@ -98,25 +98,24 @@ def naming(path: str | os.PathLike) -> Iterator[None]:
         raise
 
 
-def exit_code(e: BaseException) -> int:
+def exit_code(e: BaseException, *, say: bool = True) -> int:
     """Report a failure the way every bubblefree entry point does and return its exit code: 2 invalid input
     (one line), 3 a diverged run (one line naming the step and the last good checkpoint), 130 interrupted,
-    4 the filesystem refused (one line), 1 anything else (with its traceback: a bug)."""
+    4 the filesystem refused (one line), 1 anything else (with its traceback: a bug). ``say``: print the one
+    line (every rank of a torchrun job knows the same failure, and the first process of each node says it); a
+    bug's traceback is printed whatever ``say``."""
     if isinstance(e, UserError):
-        print(f"bubblefree: error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
-    if isinstance(e, KeyboardInterrupt):  # a stopped run's message says where its checkpoint is
-        if str(e) or type(e) is KeyboardInterrupt:  # the other ranks of a distributed run stop silently
-            print(f"bubblefree: {str(e) or 'interrupted'}", file=sys.stderr)
-        return 130
-    if isinstance(e, TrainingDiverged):
-        print(f"bubblefree: error: {e}", file=sys.stderr)
-        return 3
-    if isinstance(e, FileSystemFault):
-        print(f"bubblefree: error: {e}", file=sys.stderr)
-        return 4
-    if isinstance(e, OSError) and e.errno in FILESYSTEM_ERRNOS:
-        print(f"bubblefree: error: {describe_os_error(e)}", file=sys.stderr)
-        return 4
-    traceback.print_exception(e)
-    return 1
+        code, line = 2, f"error: {' '.join(str(e).split())}"
+    elif isinstance(e, KeyboardInterrupt):  # a stopped run's message says where its checkpoint is
+        # the other ranks of a distributed run stop silently (an empty subclass of KeyboardInterrupt)
+        code, line = 130, str(e) or ("interrupted" if type(e) is KeyboardInterrupt else None)
+    elif isinstance(e, (TrainingDiverged, FileSystemFault)):
+        code, line = 3 if isinstance(e, TrainingDiverged) else 4, f"error: {e}"
+    elif isinstance(e, OSError) and e.errno in FILESYSTEM_ERRNOS:
+        code, line = 4, f"error: {describe_os_error(e)}"
+    else:
+        traceback.print_exception(e)
+        return 1
+    if say and line is not None:
+        print(f"bubblefree: {line}", file=sys.stderr)
+    return code

@@ -177,7 +177,7 @@ def _run_rank(config: Config, out_dir: Path, rank: int, *, resume: bool | str | 
         raise
     except BaseException as exc:
         _write_error(out_dir, rank, exc)
-        raise  # the entry point leaves with exit_at_once, without tearing the process group down
+        raise  # the entry point leaves at once with its code (cli.main), without tearing the process group down
 
 
 def exit_at_once(code: int) -> None:
