@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from bubblefree.config import CHOICES, Config, config_to_dict
 from bubblefree.train.loop import train
 from bubblefree.train.presets import load_config
-from conftest import folder_digest, run_cli
+from helpers import folder_digest, run_cli
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "reliability.md"
 MARKER = "<!-- bad-input table"

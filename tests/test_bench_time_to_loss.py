@@ -20,7 +20,7 @@ from bubblefree.experiments import get_scale, get_suite, run_id
 from bubblefree.experiments.suite_runs import steps_overrides
 from bubblefree.experiments.sweeps import cell_run, cell_sweep_runs
 from bubblefree.experiments.tables import t_quantile
-from conftest import run_cli
+from helpers import run_cli
 
 GOAL = 1.05 * 4 / 5
 

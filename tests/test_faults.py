@@ -34,7 +34,7 @@ from bubblefree.train.folders import LOCK_FILE, hold, holder_pids
 from bubblefree.train.metrics import read_metrics
 from bubblefree.train.resume import resume_hint
 from bubblefree.train.sim import SimExecutor
-from conftest import folder_digest, killed_at_exit, run_cli
+from helpers import folder_digest, killed_at_exit, run_cli
 
 TINY = ["train.seq_len=32", "train.batch_size=4", "train.eval_batches=2", "train.eval_every=3",
         "train.log_every=1", "train.ckpt_every=3", "train.ckpt_keep=3", "log.progress=false"]

@@ -31,7 +31,7 @@ from bubblefree.models.hf import (
 from bubblefree.models.presets import model_args
 from bubblefree.train.build import train_microbatch
 from bubblefree.train.presets import load_config
-from conftest import folder_digest, run_cli
+from helpers import folder_digest, run_cli
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")

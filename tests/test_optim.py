@@ -24,7 +24,7 @@ import bubblefree.optim as bo
 from bubblefree.config import OptimConfig
 from bubblefree.optim import OPTIMIZERS, build_optimizer, resolve_defaults
 from bubblefree.optim.adamw import init_adamw_state
-from conftest import (
+from helpers import (
     SEED,
     pytorch_optimizer,
     random_grads,

@@ -40,7 +40,7 @@ from bubblefree.config import (
 )
 from bubblefree.errors import UserError, describe_os_error, naming
 from bubblefree.train.presets import load_config, smoke
-from conftest import run_cli
+from helpers import run_cli
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "reliability.md"
 

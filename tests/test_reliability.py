@@ -31,7 +31,7 @@ from bubblefree.train.loop import TrainingDiverged, train
 from bubblefree.train.metrics import read_metrics
 from bubblefree.train.presets import load_config
 from bubblefree.train.sim import SimExecutor
-from conftest import group_alive, killed_at_exit, wait_for
+from helpers import group_alive, killed_at_exit, wait_for
 
 RTOL = 1e-5
 TINY = ["train.seq_len=32", "train.batch_size=4", "train.eval_batches=2", "train.eval_every=10",

@@ -22,7 +22,7 @@ from bubblefree.experiments.tables import gap_recovered, noise_floor
 from bubblefree.models import PRESETS as MODEL_PRESETS, build_model
 from bubblefree.optim import OPTIMIZERS
 from bubblefree.schedules.delays import n_partitions
-from conftest import finished_run
+from helpers import finished_run
 
 
 def test_noise_floor_and_gap_recovered_by_hand():

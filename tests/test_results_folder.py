@@ -13,7 +13,7 @@ from bubblefree.cli import main
 from bubblefree.experiments import SUITES, get_scale, reproduce, run_id, runner as runner_module
 from bubblefree.experiments.sweeps import sweep_runs
 from bubblefree.optim import OPTIMIZERS
-from conftest import finished_run
+from helpers import finished_run
 
 
 def test_docs_tables_are_rebuilt_from_the_results_json(tmp_path, monkeypatch):

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from bubblefree.optim.base import apply_updates
 from bubblefree.optim.soap import SOAP
-from conftest import (
+from helpers import (
     SEED,
     pytorch_optimizer,
     random_grads,
