@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bubblefree.bench.device import PARTS, run, summary_markdown
+from bubblefree.bench.device import PARTS, run
+from bubblefree.bench.device_report import summary_markdown
 from bubblefree.bench.parity import CHECKS
 from bubblefree.cli import main
 

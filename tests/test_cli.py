@@ -225,7 +225,7 @@ def test_every_documented_command_parses_and_every_train_command_validates():
     """A renamed key, a refused value, a stale flag or preset in an example fails here, not in a reader's run."""
     import shlex
 
-    from bubblefree.cli import build_parser
+    from bubblefree.commandline import build_parser
     from bubblefree.config import validate
     from bubblefree.errors import UserError
     from bubblefree.train.presets import load_config

@@ -25,6 +25,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("bubblefree.distributed",),
     ("bubblefree.experiments", "bubblefree.export"),
     ("bubblefree.bench",),
+    ("bubblefree.commandline",),
     ("bubblefree.cli", "bubblefree.docs"),
     ("bubblefree.__main__", "bubblefree.distributed.__main__"),
 ]

@@ -1,7 +1,7 @@
 """Every number a user gives has a range (docs/reliability.md, Ranges), checked before anything is written.
 
 The walks are generated: every number key of the config (``config.RANGES``, from the fields' metadata) and
-every number option of the command line (``cli.number_options``) gets ``nan``, ``inf``, negative, zero and
+every number option of the command line (``commandline.number_options``) gets ``nan``, ``inf``, negative, zero and
 absurdly large values, so a new key or option is covered without touching this file. A value outside the
 documented range, or an absurd one where the range says the machine or the model limits it, must be refused
 with exit code 2 and one line naming the key (and the range) with no folder left; a value inside it must pass
@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bubblefree.cli import Number, build_parser, number_options, options_markdown
+from bubblefree.commandline import Number, build_parser, number_options, options_markdown
 from bubblefree.config import (
     FLOAT_MAX,
     INT_MAX,
@@ -173,7 +173,8 @@ def _part(name: str) -> str:
 
 
 def test_the_docs_list_the_ranges_the_code_has():
-    """docs/reliability.md's tables are the code's ranges (regenerate: config.ranges_markdown, cli.options_markdown)."""
+    """docs/reliability.md's tables are the code's ranges (regenerate: config.ranges_markdown,
+    commandline.options_markdown)."""
     assert _part("config-ranges") == ranges_markdown()
     assert _part("option-ranges") == options_markdown()
 

@@ -56,7 +56,15 @@ from bubblefree.train.checkpoint import (
 from bubblefree.train.executor import Executor
 from bubblefree.train.folders import hold
 from bubblefree.train.memory import check_memory
-from bubblefree.train.metrics import METRICS_FILE, MetricsWriter, plot_losses, progress_bar, tensorboard_writer
+from bubblefree.train.metrics import (
+    METRICS_FILE,
+    BusyWindow,
+    MetricsWriter,
+    metrics_record,
+    plot_losses,
+    progress_bar,
+    tensorboard_writer,
+)
 from bubblefree.train.resume import (
     CONFIG_FILE,
     DATA_FILE,
@@ -268,34 +276,6 @@ def _model_name(config: Config, counts: dict[str, int], data: Any) -> str:
     return f"{config.model.preset}{at} ({counts['params'] / 1e6:.2f}M parameters)"
 
 
-class _BusyWindow:
-    """Per-stage busy share and the measured bubble over a logging window (distributed runs; docs/runtime.md).
-
-    A stage's busy share is its forward, backward and update seconds over its seconds inside ``train_step``,
-    summed over the window's steps; the bubble is the mean idle share ``1 - busy`` over the stages, the
-    timeline simulator's idle fraction (``schedules.timeline``) measured on the run."""
-
-    def __init__(self) -> None:
-        self.busy: list[float] = []
-        self.window: list[float] = []
-
-    def add(self, stats: Any) -> None:
-        if stats.busy_s:
-            self.busy = [a + b for a, b in zip(self.busy or [0.0] * len(stats.busy_s), stats.busy_s)]
-            self.window = [a + b for a, b in zip(self.window or [0.0] * len(stats.window_s), stats.window_s)]
-
-    def pop(self, stats: Any) -> dict[str, Any]:
-        """The record's fields (none for the simulation), and a new window."""
-        out: dict[str, Any] = {}
-        if self.window and all(w > 0 for w in self.window):
-            shares = [b / w for b, w in zip(self.busy, self.window)]
-            out = {"stage_busy": shares, "bubble": 1.0 - sum(shares) / len(shares)}
-        if stats.peak_bytes and all(b is not None for b in stats.peak_bytes):
-            out["stage_peak_bytes"] = list(stats.peak_bytes)
-        self.busy, self.window = [], []
-        return out
-
-
 def _diverged(step: int, stats: Any, out_dir: Path, config: Config) -> TrainingDiverged:
     # skip exists in the simulation only (the stages of an asynchronous pipeline update before the loss exists)
     skip = " (add --set train.nonfinite=skip to skip such batches)" if config.pipeline.runtime == "sim" else ""
@@ -378,29 +358,16 @@ def _run(config: Config, out_dir: Path, resume: bool | str | Path, barrier: Setu
 
     writer = executor.is_writer  # every call on executor below is made by every process; only this one writes
     if writer:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        if ckpt is not None and newer_checkpoints(out_dir, start):  # --branch: the later lineage is kept aside
-            aside = set_aside(out_dir, start, (METRICS_FILE, PLOT_FILE, CONFIG_FILE, DATA_FILE))
-            print(f"bubblefree: note: the checkpoints past step {start} and a copy of {METRICS_FILE} are in "
-                  f"{aside}", flush=True)
-        kept = [line for step, line in files.metrics if step <= start] if files else []
-        for line in accept_damage(files, kept=len(kept), step=start) if files else ():
-            print(f"bubblefree: note: {line}", flush=True)
-        _write_atomic(out_dir / CONFIG_FILE, dump_toml(config_from_dict(saved)))
-        _write_atomic(out_dir / DATA_FILE, json.dumps(pinned, indent=1) + "\n")
-        print(f"bubblefree: {'resuming' if resume else 'training'} {_model_name(config, counts, data)} on "
-              f"{data.source}, step {start}/{cfg.steps}; outputs in {out_dir}", flush=True)
-        for line in unused_keys(config):
-            print(f"bubblefree: note: {line}", flush=True)
-        metrics = MetricsWriter(out_dir, tensorboard=config.log.tensorboard, resume_step=start if resume else None,
-                                keep=kept)
+        metrics = _open_run(config, out_dir, resume, start, saved=saved, pinned=pinned, files=files,
+                            branched=ckpt is not None and bool(newer_checkpoints(out_dir, start)),
+                            what=f"{_model_name(config, counts, data)} on {data.source}")
     bar = progress_bar(total=cfg.steps, initial=start, enabled=writer and config.log.progress)
     plain = writer and config.log.progress and bar.disable  # no terminal (a log file, nohup): plain lines
     tokens_per_step = cfg.batch_size * cfg.seq_len
     val_loss, train_time, window_time, window_tokens, tokens_per_s = float("nan"), 0.0, 0.0, 0, 0.0
     test_loss = float("nan")
     stop_rule = stop or _OneProcessStop()
-    busy = _BusyWindow()
+    busy = BusyWindow()
 
     for step in range(start, cfg.steps):
         tic = time.perf_counter()
@@ -412,13 +379,7 @@ def _run(config: Config, out_dir: Path, resume: bool | str | Path, barrier: Setu
         window_tokens += tokens_per_step
         done, last = step + 1, step + 1 == cfg.steps
         if writer and not (math.isfinite(stats.loss) and math.isfinite(stats.grad_norm)):
-            if cfg.nonfinite == "stop":  # the executor applied no update; nothing after the checkpoint is kept
-                bar.close()
-                metrics.close()
-                raise _diverged(done, stats, out_dir, config)
-            skipped += 1
-            bar.write(f"step {done}/{cfg.steps}: the loss is {stats.loss} and the gradient norm "
-                      f"{stats.grad_norm}; batch skipped ({skipped} so far)")
+            skipped = _nonfinite(config, done, stats, skipped, out_dir, bar, metrics)
         evaluate = last or (cfg.eval_every > 0 and done % cfg.eval_every == 0)
         if evaluate:
             val_loss = executor.evaluate()
@@ -428,17 +389,10 @@ def _run(config: Config, out_dir: Path, resume: bool | str | Path, barrier: Setu
             busy.add(stats)
         if writer and (evaluate or done % cfg.log_every == 0):
             tokens_per_s, window_time, window_tokens = window_tokens / window_time, 0.0, 0
-            record = {"step": done, "tokens": done * tokens_per_step, "loss": stats.loss, "lr": stats.lr,
-                      "tokens_per_s": tokens_per_s, "grad_norm": stats.grad_norm}
-            if stats.aux_loss:
-                record["aux_loss"] = stats.aux_loss
-            if cfg.nonfinite == "skip":
-                record["skipped"] = skipped
-            record.update(busy.pop(stats))
+            record = metrics_record(cfg, done, stats, tokens=done * tokens_per_step, tokens_per_s=tokens_per_s,
+                             skipped=skipped, busy=busy.pop(stats),
+                             losses={"val_loss": val_loss, "test_loss": test_loss} if evaluate else {})
             if evaluate:
-                record["val_loss"] = val_loss
-                if cfg.test_split:
-                    record["test_loss"] = test_loss
                 bar.write(f"step {done}/{cfg.steps}: train loss {stats.loss:.4f}, validation loss "
                           f"{val_loss:.4f}, {tokens_per_s:.0f} tokens/s")
             elif plain:
@@ -454,26 +408,75 @@ def _run(config: Config, out_dir: Path, resume: bool | str | Path, barrier: Setu
                 save_checkpoint(out_dir, step=done, executor_state=state, config=saved,
                                 keep=cfg.ckpt_keep, loop_state={"skipped": skipped})
         if stopping and not last:
-            bar.close()
-            executor.close()
-            stop_rule.finished()
-            if not writer:
-                raise Interrupted()
-            metrics.close()
-            raise Interrupted(f"interrupted; checkpoint at step {done} in {out_dir}; continue with "
-                              f"--resume {shlex.quote(str(out_dir))}")
+            _stop(done, out_dir, bar, executor, stop_rule, metrics if writer else None)
     bar.close()
     executor.close()
     if not writer:
         return {}
     metrics.close()
+    trained_tokens = (cfg.steps - start) * tokens_per_step
+    return _finish(config, out_dir, counts, val_loss=val_loss, test_loss=test_loss,
+                   tokens_per_s=trained_tokens / train_time if train_time else 0.0)
+
+
+def _nonfinite(config: Config, done: int, stats: Any, skipped: int, out_dir: Path, bar: Any,
+               metrics: MetricsWriter) -> int:
+    """A step whose loss or gradient norm is not finite: the run stops (``train.nonfinite = stop``: the executor
+    applied no update, nothing after the checkpoint is kept), or the batch counts as skipped; the new count."""
+    if config.train.nonfinite == "stop":
+        bar.close()
+        metrics.close()
+        raise _diverged(done, stats, out_dir, config)
+    bar.write(f"step {done}/{config.train.steps}: the loss is {stats.loss} and the gradient norm "
+              f"{stats.grad_norm}; batch skipped ({skipped + 1} so far)")
+    return skipped + 1
+
+
+def _stop(done: int, out_dir: Path, bar: Any, executor: Executor, stop_rule: StopRule,
+          metrics: MetricsWriter | None) -> None:
+    """Stop after step ``done``, its checkpoint written: every process alike; the writer says where."""
+    bar.close()
+    executor.close()
+    stop_rule.finished()
+    if metrics is None:
+        raise Interrupted()
+    metrics.close()
+    raise Interrupted(f"interrupted; checkpoint at step {done} in {out_dir}; continue with "
+                      f"--resume {shlex.quote(str(out_dir))}")
+
+
+def _open_run(config: Config, out_dir: Path, resume: bool | str | Path, start: int, *, saved: dict[str, Any],
+              pinned: dict[str, Any], files: RunFiles | None, branched: bool, what: str) -> MetricsWriter:
+    """The writer's first files, once the setup has passed every check: a later lineage kept aside
+    (``--branch``), damaged files kept aside (``--accept-damaged``), config.toml and data.json, the opening
+    lines, and metrics.jsonl (on resume its lines up to the checkpoint's step, as the resume read them)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if branched:
+        aside = set_aside(out_dir, start, (METRICS_FILE, PLOT_FILE, CONFIG_FILE, DATA_FILE))
+        print(f"bubblefree: note: the checkpoints past step {start} and a copy of {METRICS_FILE} are in "
+              f"{aside}", flush=True)
+    kept = [line for step, line in files.metrics if step <= start] if files else []
+    for line in accept_damage(files, kept=len(kept), step=start) if files else ():
+        print(f"bubblefree: note: {line}", flush=True)
+    _write_atomic(out_dir / CONFIG_FILE, dump_toml(config_from_dict(saved)))
+    _write_atomic(out_dir / DATA_FILE, json.dumps(pinned, indent=1) + "\n")
+    print(f"bubblefree: {'resuming' if resume else 'training'} {what}, step {start}/{config.train.steps}; "
+          f"outputs in {out_dir}", flush=True)
+    for line in unused_keys(config):
+        print(f"bubblefree: note: {line}", flush=True)
+    return MetricsWriter(out_dir, tensorboard=config.log.tensorboard, resume_step=start if resume else None,
+                         keep=kept)
+
+
+def _finish(config: Config, out_dir: Path, counts: dict[str, int], *, val_loss: float, test_loss: float,
+            tokens_per_s: float) -> dict[str, Any]:
+    """The writer's last words: loss.png, the run's summary, and "done" unless the final loss is not finite."""
+    cfg = config.train
     model_name = Path(config.model.init_from).name or config.model.preset
     plot_losses(out_dir / METRICS_FILE, out_dir / PLOT_FILE, title=f"{model_name}, "
                 f"{config.optim.name}, {config.pipeline.schedule}, {config.delay.correction}")
-    trained = cfg.steps - start
-    summary = {"steps": cfg.steps, "tokens": cfg.steps * tokens_per_step, "final_val_loss": val_loss,
-               "tokens_per_s": trained * tokens_per_step / train_time if train_time else 0.0,
-               "out_dir": str(out_dir), **counts}
+    summary = {"steps": cfg.steps, "tokens": cfg.steps * cfg.batch_size * cfg.seq_len, "final_val_loss": val_loss,
+               "tokens_per_s": tokens_per_s, "out_dir": str(out_dir), **counts}
     if cfg.test_split:
         summary["final_test_loss"] = test_loss
     if not math.isfinite(val_loss):  # not "done": the caller (the CLI: exit 3) says what happened

@@ -23,8 +23,8 @@ from tqdm.auto import tqdm
 
 from bubblefree.errors import UserError
 
-__all__ = ["METRICS_FILE", "MetricsWriter", "plot_losses", "progress_bar", "read_metrics",
-           "tensorboard_writer"]
+__all__ = ["METRICS_FILE", "BusyWindow", "MetricsWriter", "metrics_record", "plot_losses", "progress_bar",
+           "read_metrics", "tensorboard_writer"]
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -124,3 +124,49 @@ def plot_losses(metrics_path: str | Path, png_path: str | Path, *, title: str = 
     fig.savefig(tmp)
     plt.close(fig)
     os.replace(tmp, png_path)
+
+
+class BusyWindow:
+    """Per-stage busy share and the measured bubble over a logging window (distributed runs; docs/runtime.md).
+
+    A stage's busy share is its forward, backward and update seconds over its seconds inside ``train_step``,
+    summed over the window's steps; the bubble is the mean idle share ``1 - busy`` over the stages, the
+    timeline simulator's idle fraction (``schedules.timeline``) measured on the run."""
+
+    def __init__(self) -> None:
+        self.busy: list[float] = []
+        self.window: list[float] = []
+
+    def add(self, stats: Any) -> None:
+        if stats.busy_s:
+            self.busy = [a + b for a, b in zip(self.busy or [0.0] * len(stats.busy_s), stats.busy_s)]
+            self.window = [a + b for a, b in zip(self.window or [0.0] * len(stats.window_s), stats.window_s)]
+
+    def pop(self, stats: Any) -> dict[str, Any]:
+        """The record's fields (none for the simulation), and a new window."""
+        out: dict[str, Any] = {}
+        if self.window and all(w > 0 for w in self.window):
+            shares = [b / w for b, w in zip(self.busy, self.window)]
+            out = {"stage_busy": shares, "bubble": 1.0 - sum(shares) / len(shares)}
+        if stats.peak_bytes and all(b is not None for b in stats.peak_bytes):
+            out["stage_peak_bytes"] = list(stats.peak_bytes)
+        self.busy, self.window = [], []
+        return out
+
+
+def metrics_record(cfg: Any, done: int, stats: Any, *, tokens: int, tokens_per_s: float, skipped: int,
+            busy: dict[str, Any], losses: dict[str, float]) -> dict[str, Any]:
+    """One line of metrics.jsonl: the step's statistics, the window's busy shares, and ``losses`` where the
+    step evaluated (the test loss only where the run holds a test split)."""
+    record = {"step": done, "tokens": tokens, "loss": stats.loss, "lr": stats.lr, "tokens_per_s": tokens_per_s,
+              "grad_norm": stats.grad_norm}
+    if stats.aux_loss:
+        record["aux_loss"] = stats.aux_loss
+    if cfg.nonfinite == "skip":
+        record["skipped"] = skipped
+    record.update(busy)
+    if losses:
+        record["val_loss"] = losses["val_loss"]
+        if cfg.test_split:
+            record["test_loss"] = losses["test_loss"]
+    return record
