@@ -206,6 +206,14 @@ def test_an_unsupported_folder_is_one_line_exit_2_and_writes_nothing(tmp_path):
     assert not (tmp_path / "run").exists() and folder_digest(tmp_path) == before
 
 
+
+def test_a_hub_id_as_the_model_folder_says_how_to_get_the_folder(tmp_path):
+    """data.source takes ``hf:NAME`` from the hub; model.init_from reads a folder only, and says so."""
+    code, err = run_cli(["train", "--preset", "smoke", "--set", "model.init_from=hf:HuggingFaceTB/SmolLM2-135M",
+                         "--out", str(tmp_path / "run")])
+    assert code == 2 and err.count("\n") == 1 and "never fetched from the hub" in err, err
+    assert "--local-dir DIR" in err and not (tmp_path / "run").exists()
+
 # ------------------------------------------------------------------------------ a continued-pretraining run
 
 

@@ -210,7 +210,10 @@ def read_hf_args(path: str | Path) -> ModelArgs:
     nothing else: what the memory plan and the length checks need."""
     folder = Path(path).expanduser()
     if not folder.exists():
-        raise UserError(f"Invalid model.init_from: {path} does not exist")
+        hub = str(path).startswith("hf:")  # data.source's hub form; a model is read from a folder only
+        raise UserError(f"Invalid model.init_from: {path} does not exist" + (
+            " (it is a local Hugging Face model folder, never fetched from the hub: download it where the hub "
+            "answers, e.g. huggingface-cli download ORG/NAME --local-dir DIR, and give that DIR)" if hub else ""))
     if not folder.is_dir():
         raise UserError(f"Invalid model.init_from: {path} is not a folder (a Hugging Face model folder holds "
                         f"{CONFIG}, {SAFETENSORS} and {TOKENIZER})")
