@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -40,6 +41,7 @@ def test_docs_tables_are_rebuilt_from_the_results_json(tmp_path, monkeypatch):
     (docs / "optimizers.md").write_text("<!-- optimizer-defaults:begin -->\n<!-- optimizer-defaults:end -->\n")
     (docs / "reliability.md").write_text("<!-- config-ranges:begin -->\n<!-- config-ranges:end -->\n"
                                          "<!-- option-ranges:begin -->\n<!-- option-ranges:end -->\n")
+    _depth_part(docs, tmp_path / "results")
     part = "results:smoke/error-feedback"
     findings = "<!-- findings:begin -->\n<!-- findings:end -->\n"
     (docs / "results.md").write_text(f"{findings}Before.\n\n<!-- {part}:begin -->\nstale\n<!-- {part}:end -->\n\n"
@@ -101,6 +103,7 @@ def test_an_interrupted_suite_is_tabulated_from_the_runs_it_finished(tmp_path, m
     (docs / "optimizers.md").write_text("<!-- optimizer-defaults:begin -->\n<!-- optimizer-defaults:end -->\n")
     (docs / "reliability.md").write_text("<!-- config-ranges:begin -->\n<!-- config-ranges:end -->\n"
                                          "<!-- option-ranges:begin -->\n<!-- option-ranges:end -->\n")
+    _depth_part(docs, tmp_path / "results")
     (docs / "results.md").write_text("<!-- findings:begin -->\n<!-- findings:end -->\n"
                                      "<!-- results:smoke/horizon:begin -->\n<!-- results:smoke/horizon:end -->\n")
     assert tables(out, "horizon", heading="####", partial=True) in generate(docs, tmp_path / "results")[
@@ -289,3 +292,11 @@ def test_a_figure_with_its_interval_written_by_hand_must_be_in_a_table(tmp_path)
         "<!-- results:long/steps:begin -->\n0.5 [0.1, 0.9]\n<!-- results:long/steps:end -->\n")
     assert unbacked_intervals(tmp_path) == [
         "not in any table under results/: 0.063 [0.050, 0.076] (docs/schedules.md)"]
+
+
+def _depth_part(docs: Path, results: Path) -> None:
+    """The depth table's page and its record (``docs.PARTS``), as the repository holds them."""
+    (docs / "throughput.md").write_text("<!-- depth-table:begin -->\n<!-- depth-table:end -->\n")
+    (results / "bench" / "depth").mkdir(parents=True)
+    record = Path(__file__).resolve().parents[1] / "results" / "bench" / "depth" / "depth.json"
+    (results / "bench" / "depth" / "depth.json").write_bytes(record.read_bytes())

@@ -6,7 +6,7 @@
     bubblefree simulate --stages P --microbatches M --schedules a,b,... [--costs F:B:W[:U]] [--steps T] [--out DIR]
     bubblefree plan [--preset NAME] [--config FILE.toml] [--set KEY=VALUE ...] [--replicas R]
                     [--schedules a,b,...] [--costs F:B:W[:U]] [--steps T] [--out DIR]
-    bubblefree bench {train,optim,delay,pipeline,time-to-loss,device} [--out DIR] [--tiny] [--point K] [--seeds N]
+    bubblefree bench {train,optim,delay,pipeline,depth,time-to-loss,device} [--out DIR] [--tiny] [--point K] [--seeds N]
     bubblefree reproduce SUITE [--scale smoke|smoke4x|cpu|long|long4x|gpu] [--out DIR] [--seeds N]
                          [--optimizers A,B,...] [--config FILE.toml] [--set KEY=VALUE ...] [--report | --dry-run]
     bubblefree export RUN_OR_CHECKPOINT --format hf --out DIR

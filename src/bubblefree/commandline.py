@@ -24,6 +24,7 @@ BENCHMARKS = {
     "optim": "optimizer step time against each optimizer's reference implementation, state memory",
     "delay": "memory and step time that delay and Error Feedback add to a bare optimizer step",
     "pipeline": "the distributed runtime's throughput (GPipe, 1F1B, 2BW) against the schedule simulator",
+    "depth": "the schedules on paper at P = 4-32, M = P-4P, from a block's measured F, B, W and update times",
     "time-to-loss": "wall-clock for 2BW + Error Feedback to reach synchronous 1F1B's final validation loss",
     "device": "the accelerator check: parity against float64, ours against HF eager and compiled, "
               "optimizers on CUDA, sync/2BW/EF quality (GPU; --tiny on the CPU)",

@@ -31,11 +31,13 @@ comparisons. This is a tool for a source checkout: it finds docs/ and results/ n
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from bubblefree.bench.depth import depth_markdown
 from bubblefree.config import ranges_markdown, reference_markdown
 from bubblefree.experiments.findings import cells, findings_markdown
 from bubblefree.experiments.reproduce import tables
@@ -62,6 +64,8 @@ PARTS: dict[str, tuple[str, Callable[[Path], str]]] = {
     "optimizer-defaults": ("optimizers.md", lambda results: defaults_markdown()),
     "findings": ("results.md", findings_markdown),
     "config-ranges": ("reliability.md", lambda results: ranges_markdown()),
+    "depth-table": ("throughput.md", lambda results: depth_markdown(**json.loads(
+        (results / "bench" / "depth" / "depth.json").read_text(encoding="utf-8")))),
 }
 """``{part name: (file under docs/, the function that writes the part from the results folder)}``."""
 
