@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src" / "bubblefree"
 
 LAYERS: list[tuple[str, ...]] = [
-    ("bubblefree", "bubblefree.errors", "bubblefree.interrupts"),
+    ("bubblefree", "bubblefree.errors", "bubblefree.interrupts", "bubblefree.schedules.table"),
+    ("bubblefree.sections",),
     ("bubblefree.config",),
     ("bubblefree.optim", "bubblefree.models", "bubblefree.data", "bubblefree.schedules"),
     ("bubblefree.delay",),
@@ -93,8 +96,22 @@ def test_no_import_circles():
 
 
 def test_the_config_module_is_a_leaf():
-    assert GRAPH["bubblefree.config"] <= {"bubblefree.errors"}
-    assert GRAPH["bubblefree.errors"] == set()
+    assert GRAPH["bubblefree.config"] <= {"bubblefree.errors", "bubblefree.sections", "bubblefree.schedules.table"}
+    assert GRAPH["bubblefree.sections"] <= {"bubblefree.schedules.table"}
+    assert GRAPH["bubblefree.schedules.table"] == GRAPH["bubblefree.errors"] == set()
+
+
+def test_the_config_loads_no_torch_and_nothing_above_it():
+    """Importing the schedule table runs the ``schedules`` package first, which the imports read above do not
+    see: the config must still load without torch and without a module of a higher layer (nor a cycle)."""
+    code = ("import sys, bubblefree.config; print('torch' in sys.modules); "
+            "print(' '.join(sorted(m for m in sys.modules if m.startswith('bubblefree'))))")
+    torch, loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                   check=True).stdout.splitlines()
+    assert torch == "False"
+    assert set(loaded.split()) <= {"bubblefree", "bubblefree.errors", "bubblefree.config", "bubblefree.sections",
+                                   "bubblefree.schedules", "bubblefree.schedules.table",
+                                   "bubblefree.schedules.delays"}
 
 
 def test_architecture_doc_states_the_same_order():

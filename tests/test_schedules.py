@@ -1,10 +1,12 @@
 """The schedule table, the schedule IR and its timeline simulator: golden orders, closed-form bubbles, derived
 delays."""
 
+import ast
 import gc
 import itertools
 import time
 import tracemalloc
+from pathlib import Path
 
 import pytest
 
@@ -300,3 +302,40 @@ def test_a_long_timeline_is_drawn_from_its_start(tmp_path, monkeypatch):
     cut = sorted(start for start, _ in tl.spans.values())[50]
     assert len(panel.spans) == 50 and all(s.start < cut for s in panel.spans)
     assert panel.title.endswith(f"(up to time {cut:.4g} of {tl.makespan:.4g})"), panel.title
+
+
+# A schedule is one object (issue 45): its name is interpreted by the schedule table alone ------------------------
+
+def _names_interpreted(path, names: set[str]) -> list[int]:
+    """The lines of ``path`` that compare a string of ``names`` (``==``, ``!=``, ``is``, ``in (...)``, a ``case``).
+    Read with ``ast``: a name in a docstring, a message or a dict of labels is not a comparison."""
+    def named(node) -> bool:
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return any(named(e) for e in node.elts)
+        return isinstance(node, ast.Constant) and node.value in names
+
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Compare) and any(named(x) for x in (node.left, *node.comparators)):
+            lines.append(node.lineno)
+        elif isinstance(node, ast.MatchValue) and named(node.value):
+            lines.append(node.lineno)
+    return sorted(lines)
+
+
+def test_no_schedule_name_is_compared_as_a_string_outside_the_table():
+    """Every fact about a schedule is a field of its row in ``schedules.table``: code elsewhere asks the object
+    (``get_schedule(name).runtime is Runtime.ASYNC``); it does not compare the name, or a weight-version rule's
+    name, with ``==``, ``!=`` or ``in (...)``. A name given as data (a preset's ``{"pipeline.schedule":
+    "pipedream"}``, a loop over names, a message) is fine."""
+    from bubblefree.schedules.table import SCHEDULE_SPECS, Versions
+
+    names = {*SCHEDULE_SPECS, *(v.value for v in Versions)}
+    src = Path(__file__).resolve().parents[1] / "src" / "bubblefree"
+    found = [f"{path.relative_to(src)}:{line}: {path.read_text().splitlines()[line - 1].strip()}"
+             for path in sorted(src.rglob("*.py"))
+             if path != src / "schedules" / "table.py"
+             # experiments/ labels the suites' arms (variant == "sync", an arm named "pipedream"): runs, not schedules
+             and "experiments" not in path.relative_to(src).parts
+             for line in _names_interpreted(path, names)]
+    assert not found, "ask the schedule table instead of comparing names:\n" + "\n".join(found)

@@ -45,16 +45,24 @@ from bubblefree.data import load_tokens
 from bubblefree.distributed import DistributedExecutor, init_mesh
 from bubblefree.models import build_model
 from bubblefree.optim.schedule import lr_scale
+from bubblefree.schedules import get_schedule
 from bubblefree.schedules.ir import build_schedule
 from bubblefree.schedules.render import Panel, Span, draw_panels, timeline_panel
+from bubblefree.schedules.table import Runtime
 from bubblefree.schedules.timeline import Costs, simulate
 from bubblefree.train.presets import load_config
 
-__all__ = ["REAL_OVERRIDES", "SCHEDULES", "peak_in_flight", "read_traces", "run", "run_cases", "synthetic_config",
-           "trace_panel"]
+__all__ = ["BASELINE", "DRAWN", "REAL_OVERRIDES", "SCHEDULES", "peak_in_flight", "read_traces", "run", "run_cases",
+           "synthetic_config", "trace_panel"]
 
 SCHEDULES = ("gpipe", "1f1b", "2bw")
 """The runtime's names; the simulator's are the same."""
+
+BASELINE = "1f1b"
+"""The flushing schedule each asynchronous one's throughput is set beside, at the same ``P`` and ``M``."""
+
+DRAWN = ("1f1b", "2bw")
+"""The schedules whose measured and simulated timelines the pictures show."""
 
 REAL_OVERRIDES = ("model.preset=llama-5m", "train.seq_len=128", "train.batch_size=32")
 """The real runs: the ``smoke`` preset with a model and batch large enough for forwards and backwards to
@@ -162,7 +170,7 @@ def read_traces(run_dir: Path) -> list[dict]:
 
 def _microbatch(record: dict, schedule: str, m: int) -> int:
     # The async loop numbers units over the run; the stock schedules number chunks within the step.
-    return record["unit"] if schedule == "2bw" else record["step"] * m + record["unit"]
+    return record["unit"] if get_schedule(schedule).runtime is Runtime.ASYNC else record["step"] * m + record["unit"]
 
 
 def peak_in_flight(records: list[dict], n_stages: int, schedule: str, m: int) -> list[int]:
@@ -229,11 +237,12 @@ def _analyse(case: dict, steps: int) -> dict:
 
 
 def _add_ratios(rows: list[dict]) -> None:
-    """2BW's throughput over 1F1B's at the same (P, M), beside the ideal (M+P-1)/M."""
+    """An asynchronous schedule's (2BW's) throughput over the :data:`BASELINE`'s at the same (P, M), beside the
+    ideal (M+P-1)/M."""
     by_key = {(r["P"], r["M"], r["schedule"]): r for r in rows}
     for r in rows:
-        base = by_key.get((r["P"], r["M"], "1f1b"))
-        if r["schedule"] == "2bw" and base is not None:
+        base = by_key.get((r["P"], r["M"], BASELINE))
+        if get_schedule(r["schedule"]).runtime is Runtime.ASYNC and base is not None:
             r["vs_1f1b"] = base["step_s"] / r["step_s"]
             r["ideal_vs_1f1b"] = (r["M"] + r["P"] - 1) / r["M"]
             r["of_ideal"] = r["vs_1f1b"] / r["ideal_vs_1f1b"]
@@ -294,7 +303,7 @@ def run(out: Path | None = None, *, stages: tuple[int, ...] = (4, 8), multiples:
             row["kind"] = "synthetic" if case.get("synthetic") else f"real {case['config'].model.preset}"
             rows.append(row)
         shown = [c for c in cases if c.get("synthetic") and c["config"].pipeline.microbatches == drawn * P
-                 and c["config"].pipeline.schedule in ("1f1b", "2bw")]
+                 and c["config"].pipeline.schedule in DRAWN]
         if shown and out is not None:
             panels = []
             for c in shown:

@@ -41,12 +41,13 @@ from bubblefree.distributed.trace import Tracer
 from bubblefree.errors import UserError
 from bubblefree.optim import build_optimizer
 from bubblefree.schedules import SCHEDULE_SPECS, get_schedule, stage_delays
+from bubblefree.schedules.table import Runtime, Unit
 from bubblefree.train.build import autocast_for, build_stage, resolve_device
 from bubblefree.train.executor import StepStats
 
 __all__ = ["ASYNC_SCHEDULES", "DistributedExecutor"]
 
-ASYNC_SCHEDULES = tuple(name for name, spec in SCHEDULE_SPECS.items() if spec.runtime == "async")
+ASYNC_SCHEDULES = tuple(name for name, spec in SCHEDULE_SPECS.items() if spec.runtime is Runtime.ASYNC)
 """The schedules whose asynchronous steps run the persistent loop (the others run the stock schedules)."""
 
 
@@ -71,7 +72,7 @@ class DistributedExecutor:
         self.mesh = mesh or init_mesh(stages=pipe.stages, timeout_s=timeout_s,
                                       device_type=resolve_device(config.train.device).type)
         validate(config, replicas=self.mesh.replicas)
-        self.config = config
+        self.config, self.schedule = config, get_schedule(pipe.schedule)
         model.set_aux_loss_scale(1 / pipe.microbatches)  # each microbatch's loss enters the backward divided by m
         module = (build_stage(model, config, self.mesh.stage) if stage_module is None else stage_module
                   ).to(self.mesh.device)
@@ -88,7 +89,7 @@ class DistributedExecutor:
             p2p=p2p, tracer=Tracer(trace, rank=self.mesh.rank, replica=self.mesh.replica, stage=self.mesh.stage),
             relay=StepRelay(self.mesh, p2p, pipe.microbatches), autocast=autocast_for(config.train.dtype,
                                                                                         self.mesh.device),
-            units_per_step=local_m if get_schedule(pipe.schedule).unit == "microbatch" else 1)
+            units_per_step=local_m if self.schedule.unit is Unit.MICROBATCH else 1)
         self.stage, self.module = self.rank.stage, module
         self._async, self._stock = AsyncLoop(self.rank), StockSchedules(self.rank)
 
@@ -104,7 +105,7 @@ class DistributedExecutor:
             known = tensor_bytes(list(self.module.parameters()), delayed.optimizer.state, delayed.state_dict())
             self.rank.memory = PeakMemory(self.mesh.device, known)
         with self.rank.tracer.running():
-            if self.stage.delayed.is_async(step) and get_schedule(self.config.pipeline.schedule).runtime == "async":
+            if self.stage.delayed.is_async(step) and self.schedule.runtime is Runtime.ASYNC:
                 self._async.step(step, lr_scale)
             else:
                 self._async.drain()

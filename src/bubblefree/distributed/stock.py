@@ -17,6 +17,7 @@ import torch
 from bubblefree.distributed.rank import Rank
 from bubblefree.models import token_loss
 from bubblefree.schedules import get_schedule
+from bubblefree.schedules.table import Runtime
 
 __all__ = ["StockSchedules"]
 
@@ -34,7 +35,7 @@ class StockSchedules:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
         rank, n, schedule = self.rank, self.rank.local_m, self.rank.pipeline.schedule
-        gpipe = get_schedule(schedule).runtime == "gpipe"
+        gpipe = get_schedule(schedule).runtime is Runtime.GPIPE
         pstage = PipelineStage(rank.module, rank.mesh.stage, rank.P, rank.device, group=rank.mesh.pp_group)
         cls = Schedule1F1B if not gpipe and n >= rank.P else ScheduleGPipe
         if cls is ScheduleGPipe and not gpipe and rank.mesh.rank == 0:

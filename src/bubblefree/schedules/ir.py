@@ -5,23 +5,27 @@ torch.distributed.pipelining's ``_Action``: kind ``F`` (forward), ``B`` (backwar
 the input-gradient part when the schedule splits it) or ``W`` (the weight-gradient part, zero-bubble only).
 Microbatch indices are global over the run: microbatch ``j`` belongs to optimizer step ``j // M``.
 
-Flushing schedules (GPipe, 1F1B, interleaved 1F1B, zero bubble) repeat one step's order ``steps`` times;
-the asynchronous ones (PipeDream-2BW, PipeDream) run one 1F1B order over the whole run, filling once at the
-start and draining once at the end; WPipe cuts the model into ``2P`` partitions (rank ``r`` holds ``r`` and
-``r + P``) and overlaps the first half's next step with the current one. Which weights each microbatch sees, and
-hence each stage's delay, is
-*derived* from these orders by :mod:`bubblefree.schedules.timeline`, and a test checks the result against the
-delay table the training uses (:func:`bubblefree.schedules.delays.stage_delays`).
+Each schedule's row of the schedule table (:mod:`bubblefree.schedules.table`) names its order (an
+:class:`~bubblefree.schedules.table.Order`, whose builder is here), whether it flushes, its weight-version rule and
+the microbatches it needs. Flushing schedules (GPipe, 1F1B, interleaved 1F1B, zero bubble) repeat one step's order
+``steps`` times; the asynchronous ones (PipeDream-2BW, PipeDream) run one 1F1B order over the whole run, filling
+once at the start and draining once at the end; WPipe cuts the model into ``2P`` partitions (rank ``r`` holds
+``r`` and ``r + P``) and overlaps the first half's next step with the current one. Which weights each microbatch
+sees, and hence each stage's delay, is *derived* from these orders by :mod:`bubblefree.schedules.timeline`, and a
+test checks the result against the delay table the training uses (:func:`bubblefree.schedules.delays.stage_delays`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from itertools import chain
 from typing import NamedTuple
 
-__all__ = ["SIMULATED_SCHEDULES", "Action", "Schedule", "build_schedule", "check_schedule", "one_f_one_b_order",
-           "simulated_actions"]
+from bubblefree.schedules.table import SCHEDULE_SPECS, SIMULATED_SCHEDULES, Order, ScheduleSpec, Unit, Versions
+
+__all__ = ["ORDERS", "SIMULATED_SCHEDULES", "Action", "Schedule", "build_schedule", "check_schedule",
+           "one_f_one_b_order", "simulated_actions"]
 
 
 class Action(NamedTuple):
@@ -46,11 +50,8 @@ class Schedule:
     n_steps: int
     orders: tuple[tuple[Action, ...], ...]
     """``orders[r]`` is the sequence of actions rank ``r`` executes."""
-    version_policy: str
-    """``flush`` (a step starts after the previous update everywhere), ``2bw`` (every microbatch of step t uses
-    the newest version present when the step's first microbatch entered the stage) or ``pipedream`` (each
-    microbatch uses the newest version present at its own forward) or ``newest`` (the same for every
-    microbatch; WPipe, whose order guarantees that a step's microbatches all see one version at a stage)."""
+    version_policy: Versions
+    """Which weight version each forward uses (the schedule table's :class:`~bubblefree.schedules.table.Versions`)."""
     split_backward: bool = False
 
     def rank_of(self, stage: int) -> int:
@@ -123,64 +124,78 @@ def _wpipe(rank: int, n_ranks: int, per_step: list[range]) -> list[Action]:
     return order
 
 
-SIMULATED_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "2bw", "pipedream", "wpipe")
+ORDERS: dict[Order, Callable[[int, int, list[range], int], list[Action]]] = {
+    Order.GPIPE: lambda rank, P, steps, chunks: _gpipe(rank, _through(steps)),
+    Order.ONE_F_ONE_B: lambda rank, P, steps, chunks: one_f_one_b_order(rank, P, _through(steps)),
+    Order.INTERLEAVED: lambda rank, P, steps, chunks: _interleaved(rank, P, chunks, _through(steps)),
+    Order.WPIPE: lambda rank, P, steps, chunks: _wpipe(rank, P, steps),
+}
+"""The builder of each order: ``build(rank, P, steps, chunks)`` is rank ``rank``'s actions over ``steps``, the
+microbatches of consecutive optimizer steps (one step at a time for a flushing schedule: 1F1B over several steps
+is the asynchronous schedules' order, which never drains in between)."""
 
 
-def check_schedule(name: str, n_stages: int, n_microbatches: int, *, steps: int = 1) -> None:
-    """The ValueError :func:`build_schedule` would raise for these arguments, without building anything (a
-    command checks every schedule it was asked for before simulating any)."""
-    if name not in SIMULATED_SCHEDULES:
+def _through(steps: list[range]) -> range:
+    """The microbatches of consecutive steps as one range."""
+    return range(steps[0].start, steps[-1].stop)
+
+
+def _simulated(name: str) -> ScheduleSpec:
+    spec = SCHEDULE_SPECS.get(name)
+    if spec is None or spec.order is None:
         raise ValueError(f"Invalid schedule: {name!r} (choose from {', '.join(SIMULATED_SCHEDULES)})")
+    return spec
+
+
+def _stages_per_rank(spec: ScheduleSpec, chunks: int) -> int:
+    """Model partitions on each rank: the interleaved order's ``chunks`` virtual stages, else the table's."""
+    return chunks if spec.order is Order.INTERLEAVED else spec.partitions
+
+
+def check_schedule(name: str, n_stages: int, n_microbatches: int, *, steps: int = 1) -> ScheduleSpec:
+    """The ValueError :func:`build_schedule` would raise for these arguments, without building anything (a
+    command checks every schedule it was asked for before simulating any); the schedule's row otherwise."""
+    spec = _simulated(name)
     for label, value in (("stages", n_stages), ("microbatches", n_microbatches), ("steps", steps)):
         if value < 1:
             raise ValueError(f"Invalid {label}: {value} (must be >= 1)")
-    if name == "interleaved-1f1b" and n_microbatches % n_stages:
-        raise ValueError(f"Invalid microbatches: {n_microbatches} (interleaved 1F1B needs a multiple of the "
-                         f"stages, {n_stages})")
-    if name == "2bw" and n_microbatches < n_stages:
-        raise ValueError(f"Invalid microbatches: {n_microbatches} (PipeDream-2BW needs at least one per stage, "
-                         f"{n_stages})")
+    if (needs := spec.simulator_needs) is not None and not needs.met(n_microbatches, n_stages):
+        raise ValueError(f"Invalid microbatches: {n_microbatches} ({needs.reason(n_stages)})")
+    return spec
 
 
 def build_schedule(name: str, n_stages: int, n_microbatches: int, *, steps: int = 1, chunks: int = 2) -> Schedule:
     """The per-rank action orders of schedule ``name`` for ``steps`` optimizer steps.
 
-    ``n_stages`` is the number of devices P. PipeDream takes one microbatch per optimizer step (its unit of
-    update is the microbatch), so ``n_microbatches`` is ignored there. ``zero-bubble`` returns the 1F1B order
-    with split backwards; its W actions are placed greedily by the timeline simulator (ZB-H1 policy).
+    ``n_stages`` is the number of devices P; ``chunks`` the virtual stages per rank of the interleaved order. A
+    schedule whose unit is the step (PipeDream) updates after every microbatch: the work of ``steps`` batches
+    of ``M`` is ``steps * M`` steps of one microbatch. ``zero-bubble`` returns the 1F1B order with split
+    backwards; its W actions are placed greedily by the timeline simulator (ZB-H1 policy).
     """
-    check_schedule(name, n_stages, n_microbatches, steps=steps)
+    spec = check_schedule(name, n_stages, n_microbatches, steps=steps)
     P, M = n_stages, n_microbatches
+    if spec.unit is Unit.STEP:
+        M, steps = 1, steps * M
     per_step = [range(t * M, (t + 1) * M) for t in range(steps)]
-    if name == "gpipe":
-        orders = [_steps(_gpipe(s, mbs) for mbs in per_step) for s in range(P)]
-        return Schedule(name, P, P, M, steps, _freeze(orders), "flush")
-    if name in ("1f1b", "zero-bubble"):
-        orders = [_steps(one_f_one_b_order(s, P, mbs) for mbs in per_step) for s in range(P)]
-        return Schedule(name, P, P, M, steps, _freeze(orders), "flush", split_backward=name == "zero-bubble")
-    if name == "interleaved-1f1b":
-        orders = [_steps(_interleaved(r, P, chunks, mbs) for mbs in per_step) for r in range(P)]
-        return Schedule(name, P * chunks, P, M, steps, _freeze(orders), "flush")
-    if name == "2bw":
-        orders = [one_f_one_b_order(s, P, range(steps * M)) for s in range(P)]
-        return Schedule(name, P, P, M, steps, _freeze(orders), "2bw")
-    if name == "wpipe":
-        orders = [_wpipe(r, P, per_step) for r in range(P)]
-        return Schedule(name, 2 * P, P, M, steps, _freeze(orders), "newest")
-    # PipeDream updates after every microbatch: the same work as `steps` batches of M is steps * M updates.
-    orders = [one_f_one_b_order(s, P, range(steps * M)) for s in range(P)]
-    return Schedule(name, P, P, 1, steps * M, _freeze(orders), "pipedream")
+    build = ORDERS[spec.order]
+    if spec.flushes:  # a flush ends every step: one step's order, repeated
+        orders = [_steps(build(r, P, [mbs], chunks) for mbs in per_step) for r in range(P)]
+    else:
+        orders = [build(r, P, per_step, chunks) for r in range(P)]
+    return Schedule(name, P * _stages_per_rank(spec, chunks), P, M, steps, _freeze(orders), spec.versions,
+                    split_backward=spec.split_backward)
 
 
 def simulated_actions(name: str, n_stages: int, n_microbatches: int, *, steps: int = 1, chunks: int = 2) -> int:
     """How many actions the timeline of ``build_schedule(name, ...)`` holds (zero bubble's W actions included),
     known before anything is built: what sizes a simulation's time and memory. Two per microbatch and stage
-    (three with a split backward) on ``n_stages`` stages, ``chunks`` times that interleaved, twice for WPipe."""
-    per_microbatch = {"interleaved-1f1b": 2 * chunks, "wpipe": 4, "zero-bubble": 3}.get(name, 2)
+    (three with a split backward) on each of a rank's partitions (``chunks`` interleaved, two for WPipe)."""
+    spec = _simulated(name)
+    per_microbatch = (3 if spec.split_backward else 2) * _stages_per_rank(spec, chunks)
     return per_microbatch * n_stages * n_microbatches * steps
 
 
-def _steps(per_step) -> list[Action]:
+def _steps(per_step: Iterable[list[Action]]) -> list[Action]:
     """One rank's orders of consecutive steps, joined (in linear time, where ``sum(lists, [])`` is quadratic)."""
     return list(chain.from_iterable(per_step))
 

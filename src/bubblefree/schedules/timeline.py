@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from bubblefree.schedules.ir import Action, Schedule
+from bubblefree.schedules.table import Versions
 
 __all__ = ["PROGRESS_EVERY", "Costs", "Timeline", "simulate"]
 
@@ -169,6 +170,142 @@ def _peak_overlap(intervals: list[tuple[float, float]]) -> int:
     return peak
 
 
+@dataclass
+class _Run:
+    """A simulation under way: each rank's place in its order and its clock, and per stage and microbatch the end
+    times the next actions wait for."""
+
+    tl: Timeline
+    n_microbatches: int
+    split: bool
+    duration: dict[str, float]
+    """Each kind of action's time on one of a rank's ``chunks`` stages (``B`` without ``W`` when split)."""
+    queue: list[list[Action | None]]
+    """Each rank's order with None past its end, so "the next action" needs no bounds check."""
+    ptr: list[int]
+    clock: list[float]
+    f_end: list[list[float | None]]
+    b_end: list[list[float | None]]
+    rank: list[int]
+    hop: list[float]
+    """``hop[s]``: the communication time into stage ``s`` from ``s - 1`` (or back), zero on one rank."""
+    remaining: list[list[int]]
+    """Backward parts still to run on each stage before each step's update."""
+    pending_w: list[deque[Action]]
+    in_flight: list[int]
+    """Microbatches holding activations on each rank (zero bubble: until their W)."""
+    updates_done: list[int]
+    total: int
+    """Every action to run, the W of a split backward included."""
+
+
+def _start(schedule: Schedule, costs: Costs) -> _Run:
+    """Nothing run yet: the durations, each rank's order, and how many backward parts each update waits for."""
+    S, R, M = schedule.n_stages, schedule.n_ranks, schedule.n_microbatches
+    chunks = S // R
+    split = schedule.split_backward
+    duration = {
+        "F": costs.forward / chunks,
+        "B": (costs.backward - (costs.weight if split else 0.0)) / chunks,
+        "W": costs.weight / chunks,
+    }
+    n_units = schedule.n_steps * M  # microbatch indices run over 0 .. n_units - 1
+    rank = [schedule.rank_of(s) for s in range(S)]
+    remaining = [[0] * schedule.n_steps for _ in range(S)]
+    parts = 2 if split else 1
+    for order in schedule.orders:
+        for a in order:
+            if a.kind == "B":
+                remaining[a.stage][a.microbatch // M] += parts
+    total = sum(map(len, schedule.orders)) + (sum(map(sum, remaining)) // 2 if split else 0)
+    return _Run(
+        tl=Timeline(schedule, update_s=costs.update / chunks), n_microbatches=M, split=split, duration=duration,
+        queue=[[*order, None] for order in schedule.orders], ptr=[0] * R, clock=[0.0] * R,
+        f_end=[[None] * n_units for _ in range(S)], b_end=[[None] * n_units for _ in range(S)], rank=rank,
+        hop=[costs.comm if rank[s] != rank[s - 1] else 0.0 for s in range(S)], remaining=remaining,
+        pending_w=[deque() for _ in range(R)], in_flight=[0] * R, updates_done=[0] * S, total=total)
+
+
+def _inputs_ready(run: _Run) -> Callable[[Action], float | None]:
+    """``ready_time(a)``: when ``a``'s inputs exist, or None while one is still to be computed."""
+    f_end, b_end, hop, last = run.f_end, run.b_end, run.hop, len(run.f_end) - 1
+
+    def ready_time(a: Action) -> float | None:
+        s, kind, j = a
+        if kind == "F":
+            if s == 0:
+                return 0.0
+            end = f_end[s - 1][j]
+            return None if end is None else end + hop[s]
+        if kind != "B":
+            return 0.0
+        own = f_end[s][j]
+        if own is None:
+            return None
+        if s == last:
+            return own + 0.0
+        later = b_end[s + 1][j]
+        return None if later is None else max(own + 0.0, later + hop[s + 1])
+
+    return ready_time
+
+
+def _version_rule(policy: Versions, updates_done: list[int]) -> Callable[[int, int], int]:
+    """``version(stage, step)``: the weights a forward of ``step`` uses at ``stage`` now, as the number of
+    updates they have seen, by the schedule's rule (:class:`~bubblefree.schedules.table.Versions`)."""
+    if policy is Versions.PER_STEP:  # every microbatch of the step at the version its first one saw
+        first_version: dict[tuple[int, int], int] = {}
+
+        def per_step(stage: int, step: int) -> int:
+            now = updates_done[stage]
+            seen = first_version.setdefault((stage, step), now)
+            assert seen == now, f"stage {stage} updated between microbatches of step {step}"
+            return now
+
+        return per_step
+    if policy is Versions.DOUBLE_BUFFERED:
+        # PipeDream-2BW computes every gradient of step t at x_{t-1} on every stage (Narayanan et al. 2021), even
+        # where a fresher version already exists (the last stage): a constant delay of one, two versions kept.
+        def double_buffered(stage: int, step: int) -> int:
+            now, v = updates_done[stage], max(step - 1, 0)
+            assert v <= now <= v + 1, f"2BW needs x_{v} at stage {stage}, but {now} updates are done"
+            return v
+
+        return double_buffered
+    return lambda stage, step: updates_done[stage]  # the newest: after a flush, or at the forward's own time
+
+
+def _execute(run: _Run, a: Action, start: float, r: int, version: Callable[[int, int], int]) -> None:
+    """Run action ``a`` on rank ``r`` from ``start``: its span, the inputs it provides, the weights a forward
+    uses, and the update its stage applies after a step's last backward part there."""
+    s, kind, j = a
+    if kind == "W":
+        run.pending_w[r].popleft()
+    else:
+        run.ptr[r] += 1
+    end = start + run.duration[kind]
+    tl = run.tl
+    tl.spans[a], tl.rank_of[a] = (start, end), r
+    run.clock[r] = end
+    step = j // run.n_microbatches
+    if kind == "F":
+        run.in_flight[r] += 1
+        run.f_end[s][j] = end
+        tl.versions_used[(s, j)] = version(s, step)
+        return
+    if kind == "B":
+        run.b_end[s][j] = end
+    if kind == "W" or not run.split:
+        run.in_flight[r] -= 1
+    run.remaining[s][step] -= 1
+    if run.remaining[s][step] == 0:
+        # The update runs on this rank right after the step's last backward part here.
+        run.clock[r] = tl.updates[(s, step)] = end + tl.update_s
+        run.updates_done[s] += 1
+    if kind == "B" and run.split:
+        run.pending_w[r].append(Action(s, "W", j))
+
+
 def simulate(schedule: Schedule, costs: Costs = Costs(), *,
              progress: Callable[[int, int], None] | None = None) -> Timeline:
     """List-schedule every rank's actions and return the timeline (deterministic, no randomness).
@@ -181,59 +318,15 @@ def simulate(schedule: Schedule, costs: Costs = Costs(), *,
     ``PROGRESS_EVERY`` actions and after the last. The test suite keeps the full scan as the reference this
     must equal event for event (``tests/timeline_reference.py``).
     """
-    S, R, M = schedule.n_stages, schedule.n_ranks, schedule.n_microbatches
-    chunks = S // R
-    split = schedule.split_backward
-    duration = {
-        "F": costs.forward / chunks,
-        "B": (costs.backward - (costs.weight if split else 0.0)) / chunks,
-        "W": costs.weight / chunks,
-    }
-    tl = Timeline(schedule, update_s=costs.update / chunks)
-    spans, rank_of, versions_used, updates = tl.spans, tl.rank_of, tl.versions_used, tl.updates
-    orders, lengths = schedule.orders, [len(order) for order in schedule.orders]
-    n_units = schedule.n_steps * M  # microbatch indices run over 0 .. n_units - 1
-    # End times of each stage's forwards and backwards by microbatch: the inputs the next actions wait for.
-    f_end: list[list[float | None]] = [[None] * n_units for _ in range(S)]
-    b_end: list[list[float | None]] = [[None] * n_units for _ in range(S)]
-    rank = [schedule.rank_of(s) for s in range(S)]
-    hop = [costs.comm if rank[s] != rank[s - 1] else 0.0 for s in range(S)]  # into stage s from s - 1 or back
-    remaining = [[0] * schedule.n_steps for _ in range(S)]  # backward parts still to run before each update
-    parts = 2 if split else 1
-    for order in orders:
-        for a in order:
-            if a.kind == "B":
-                remaining[a.stage][a.microbatch // M] += parts
-    total = sum(lengths) + (sum(map(sum, remaining)) // 2 if split else 0)
-    ptr, clock = [0] * R, [0.0] * R
-    pending_w: list[deque[Action]] = [deque() for _ in range(R)]
-    in_flight = [0] * R  # microbatches holding activations on each rank (zero bubble: until their W)
-    updates_done = [0] * S
-    first_version: dict[tuple[int, int], int] = {}
-
-    def ready_time(a: Action) -> float | None:
-        """When ``a``'s inputs exist, or None while one is still to be computed."""
-        s, kind, j = a
-        if kind == "F":
-            if s == 0:
-                return 0.0
-            end = f_end[s - 1][j]
-            return None if end is None else end + hop[s]
-        if kind != "B":
-            return 0.0
-        own = f_end[s][j]
-        if own is None:
-            return None
-        if s == S - 1:
-            return own + 0.0
-        later = b_end[s + 1][j]
-        return None if later is None else max(own + 0.0, later + hop[s + 1])
-
-    # Each rank's order with None past its end, so "the next action" needs no bounds check.
-    queue = [[*order, None] for order in orders]
+    run = _start(schedule, costs)
+    ready_time = _inputs_ready(run)
+    version = _version_rule(schedule.version_policy, run.updates_done)
+    S, M = schedule.n_stages, schedule.n_microbatches
+    queue, ptr, clock, rank = run.queue, run.ptr, run.clock, run.rank
+    pending_w, in_flight = run.pending_w, run.in_flight
     heap: list[tuple[float, int, int, Action]] = []
     push = heapq.heappush
-    generation = [0] * R  # a heap entry counts only while its rank's generation is unchanged
+    generation = [0] * schedule.n_ranks  # a heap entry counts only while its rank's generation is unchanged
 
     def refresh(r: int) -> None:
         """Push rank ``r``'s candidate: its pending W or its next action, at the time it could start."""
@@ -257,62 +350,25 @@ def simulate(schedule: Schedule, costs: Costs = Costs(), *,
         if t is not None:
             push(heap, (max(clock[r], t), r, generation[r], nxt))
 
-    def version(stage: int, step: int) -> int:
-        now = updates_done[stage]
-        if schedule.version_policy == "newest":  # every microbatch of the step at the version its first one saw
-            seen = first_version.setdefault((stage, step), now)
-            assert seen == now, f"stage {stage} updated between microbatches of step {step}"
-            return now
-        if schedule.version_policy != "2bw":
-            return now
-        # PipeDream-2BW computes every gradient of step t at x_{t-1} on every stage (Narayanan et al. 2021), even
-        # where a fresher version already exists (the last stage): a constant delay of one, two versions kept.
-        v = max(step - 1, 0)
-        assert v <= now <= v + 1, f"2BW needs x_{v} at stage {stage}, but {now} updates are done"
-        return v
-
-    for r in range(R):
+    for r in range(schedule.n_ranks):
         refresh(r)
     done = 0
     while heap:
         start, r, gen, a = heapq.heappop(heap)
         if gen != generation[r]:
             continue  # superseded: this rank's candidate changed after the entry was pushed
-        s, kind, j = a
-        if kind == "W":
-            pending_w[r].popleft()
-        else:
-            ptr[r] += 1
-        end = start + duration[kind]
-        spans[a], rank_of[a] = (start, end), r
-        clock[r] = end
-        step = j // M
-        if kind == "F":
-            in_flight[r] += 1
-            f_end[s][j] = end
-            versions_used[(s, j)] = version(s, step)
-        else:
-            if kind == "B":
-                b_end[s][j] = end
-            if kind == "W" or not split:
-                in_flight[r] -= 1
-            remaining[s][step] -= 1
-            if remaining[s][step] == 0:
-                # The update runs on this rank right after the step's last backward part here.
-                clock[r] = updates[(s, step)] = end + tl.update_s
-                updates_done[s] += 1
-            if kind == "B" and split:
-                pending_w[r].append(Action(s, "W", j))
+        _execute(run, a, start, r, version)
         refresh(r)
         # The only other candidates this action can change: the next stage's forward and the previous stage's
         # backward of the same microbatch, where they are next in their rank's order.
+        s, kind, j = a
         if kind == "F" and s + 1 < S and (nr := rank[s + 1]) != r and queue[nr][ptr[nr]] == (s + 1, "F", j):
             refresh(nr)
         if kind == "B" and s > 0 and (nr := rank[s - 1]) != r and queue[nr][ptr[nr]] == (s - 1, "B", j):
             refresh(nr)
         done += 1
-        if progress is not None and (done % PROGRESS_EVERY == 0 or done == total):
-            progress(done, total)
-    missing = sum(lengths) - sum(ptr)
+        if progress is not None and (done % PROGRESS_EVERY == 0 or done == run.total):
+            progress(done, run.total)
+    missing = sum(map(len, schedule.orders)) - sum(ptr)
     assert missing == 0, f"schedule {schedule.name} deadlocked with {missing} actions unscheduled"
-    return tl
+    return run.tl

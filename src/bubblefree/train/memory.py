@@ -50,16 +50,17 @@ from bubblefree.models.presets import model_args
 from bubblefree.models.split import StageModule, param_stages, split_model
 from bubblefree.optim.registry import is_hidden_matrix, state_numel
 from bubblefree.schedules import n_partitions, stage_delays
-from bubblefree.schedules.ir import SIMULATED_SCHEDULES, build_schedule
+from bubblefree.schedules.ir import build_schedule, check_schedule
+from bubblefree.schedules.table import SCHEDULE_SPECS, SIMULATED_SCHEDULES, Unit
 from bubblefree.schedules.timeline import Costs, simulate
 
 __all__ = ["PARTS", "VERSIONED", "StageMemory", "activation_bytes", "check_memory", "device_memory", "format_plan",
            "memory_floor", "plan_memory"]
 
-VERSIONED = ("2bw", "pipedream")
+VERSIONED = tuple(name for name, spec in SCHEDULE_SPECS.items() if spec.versioned)
 """Schedules whose steps the distributed runtime computes on weight versions of their own, each collecting its
 own gradient (its asynchronous loop, ``distributed.executor.ASYNC_SCHEDULES``); the others run on the live
-weights (torch's stock schedules)."""
+weights (torch's stock schedules). The schedule table's ``ScheduleSpec.versioned``."""
 
 PARTS = ("params", "stash", "grads", "optim", "updates", "correction", "activations")
 """The columns of a stage's plan, in the order they are printed."""
@@ -192,8 +193,9 @@ def plan_memory(config: Config, *, replicas: int = 1, schedules: Sequence[str] =
 
     rows: list[dict[str, Any]] = []
     for name in schedules:
-        unit = local_m if name == "pipedream" else 1  # microbatches per unit of work (module docstring)
         try:
+            spec = check_schedule(name, P, local_m, steps=steps)
+            unit = local_m if spec.unit is Unit.STEP else 1  # microbatches per unit of work (module docstring)
             schedule = build_schedule(name, P, local_m // unit, steps=steps)
             if schedule.n_stages > model.args.n_layers:
                 raise ValueError(f"needs {schedule.n_stages} model partitions, the model has "
@@ -205,7 +207,7 @@ def plan_memory(config: Config, *, replicas: int = 1, schedules: Sequence[str] =
                                                           backward=costs.backward * unit,
                                                           weight=costs.weight * unit, update=costs.update))
         delays, in_flight = timeline.staleness(), timeline.peak_activations()
-        under_way = timeline.open_steps() if name in VERSIONED else [0] * schedule.n_stages
+        under_way = timeline.open_steps() if spec.versioned else [0] * schedule.n_stages
         stages = []
         for held in _rank_partitions(schedule):
             parts = {"params": 0, "stash": 0, "grads": 0, "optim": 0, "updates": 0, "correction": 0,
