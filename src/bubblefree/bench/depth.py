@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from bubblefree.schedules.table import get_schedule
+
 __all__ = ["DEPTHS", "PER_STAGE", "SCHEDULES", "SYNCHRONOUS", "depth_markdown", "depth_rows", "measure_block",
            "run"]
 
@@ -41,7 +43,7 @@ PER_STAGE = (1, 2, 4)
 """Microbatches per step as multiples of ``P``."""
 SCHEDULES = ("1f1b", "interleaved-1f1b", "zero-bubble", "2bw")
 """The schedules compared: the best synchronous ones the simulator lays out, and 2BW."""
-SYNCHRONOUS = ("1f1b", "interleaved-1f1b", "zero-bubble")
+SYNCHRONOUS = tuple(name for name in SCHEDULES if get_schedule(name).flushes)
 """The schedules that flush every step (2BW's step time is compared with the best of them)."""
 
 
