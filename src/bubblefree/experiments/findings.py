@@ -222,8 +222,7 @@ def _findings() -> tuple[Finding, ...]:
         out.append(Finding(f"moe-{opt}-ef", f"MoE, {name}: 2BW + EF - sync", moe_paper[1], None,
                            _arm("long4x", "moe", "ef", optimizer=opt)))
     for depth in (8, 16):
-        for schedule, paper in (("pipedream", "degrades sharply at 16"), ("2bw", "flat")):
-            label = "PipeDream" if schedule == "pipedream" else "2BW"
+        for schedule, label, paper in (("pipedream", "PipeDream", "degrades sharply at 16"), ("2bw", "2BW", "flat")):
             out.append(Finding(f"depth{depth}-{schedule}", f"Depth {depth}, Muon: {label} - sync", paper, None,
                                _arm("long4x", "schedules", schedule, optimizer="muon", x=depth)))
         out.append(Finding(f"depth{depth}-pipedream-ef", f"Depth {depth}, Muon: PipeDream + EF - sync", "-", None,
