@@ -56,6 +56,7 @@ def test_docs_check_catches_an_edited_cell_and_a_figure_typed_by_hand(tmp_path):
     (docs / "optimizers.md").write_text("<!-- optimizer-defaults:begin -->\n<!-- optimizer-defaults:end -->\n")
     (docs / "reliability.md").write_text("<!-- config-ranges:begin -->\n<!-- config-ranges:end -->\n"
                                          "<!-- option-ranges:begin -->\n<!-- option-ranges:end -->\n")
+    (docs / "throughput.md").write_text("<!-- depth-table:begin -->\n<!-- depth-table:end -->\n")
     (docs / "results.md").write_text("<!-- findings:begin -->\n<!-- findings:end -->\n\nMuon pays "
                                      "<!-- cell:muon-gap/1200 -->?<!-- /cell --> at 1200 steps.\n")
     (tmp_path / "README.md").write_text("Muon: <!-- cell:muon-gap/1200 --><!-- /cell -->.\n")
