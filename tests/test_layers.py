@@ -120,3 +120,16 @@ def test_architecture_doc_states_the_same_order():
     stated = [tuple(sorted(re.findall(r"`([\w.]+)`", part))) for part in line.split("->")]
     expected = [tuple(sorted(e.removeprefix("bubblefree.") or "bubblefree" for e in layer)) for layer in LAYERS]
     assert stated == expected
+
+
+def test_functions_read_in_one_screen_and_files_stay_short():
+    """No function of the package over 80 lines, no module over 500 (issue 45: a longer one is split into
+    parts whose names explain them)."""
+    long = []
+    for name, path in MODULES.items():
+        text = path.read_text()
+        if text.count("\n") > 500:
+            long.append(f"{name}: {text.count(chr(10))} lines")
+        long += [f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines" for node in ast.walk(ast.parse(text))
+                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 80]
+    assert long == []
